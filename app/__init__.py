@@ -1,0 +1,1 @@
+"""MiniCPM-V web demo: a Gradio UI over one process-wide model manager."""

@@ -1,0 +1,92 @@
+"""Conversation state: Gradio chat history in, model messages out; reasoning tags in replies.
+
+Model messages are plain dicts: {"role": "user" | "assistant", "content": [part, ...]} where a part is
+{"type": "text", "text": str}, {"type": "image", "path": str} or {"type": "video", "path": str}.
+"""
+
+import re
+
+from app.media.files import media_kind
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+_REASONING = re.compile(re.escape(THINK_OPEN) + r".*?(" + re.escape(THINK_CLOSE) + r"|$)", re.DOTALL)
+
+
+def strip_reasoning(text: str) -> str:
+    """The answer without its reasoning block: past reasoning is not fed back to the model."""
+    return _REASONING.sub("", text).strip()
+
+
+def reply_for_display(generated: str, prompt_opens_thinking: bool) -> str:
+    """Make the reasoning block explicit when the chat template already opened it in the prompt."""
+    if prompt_opens_thinking and not generated.lstrip().startswith(THINK_OPEN):
+        return THINK_OPEN + generated
+    return generated
+
+
+def _file_path(part) -> str | None:
+    if isinstance(part, str):
+        return None
+    if isinstance(part, dict):
+        if part.get("type") == "file":
+            return part["file"]["path"]
+        return part.get("path")
+    return getattr(part, "path", None)
+
+
+def _parts_of(content) -> list:
+    return content if isinstance(content, (list, tuple)) else [content]
+
+
+def _text_of(part) -> str | None:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type") == "text":
+        return part["text"]
+    return None
+
+
+def user_content(text: str, paths: list[str]) -> list[dict]:
+    """A user turn: media first, then the question, as MiniCPM-V is prompted."""
+    parts = [{"type": media_kind(path), "path": path} for path in paths]
+    if text.strip():
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+def history_to_messages(history: list[dict]) -> list[dict]:
+    """Gradio messages (text and file parts, several per turn) to model messages, one per turn.
+
+    Messages carrying metadata (stats, notices) are for the reader only and are skipped.
+    """
+    messages: list[dict] = []
+    for entry in history:
+        if entry.get("metadata"):
+            continue
+        role = entry["role"]
+        parts = []
+        for part in _parts_of(entry["content"]):
+            path = _file_path(part)
+            if path is not None:
+                if role == "user":
+                    parts.append({"type": media_kind(path), "path": path})
+                continue
+            text = _text_of(part)
+            if text is None:
+                continue
+            if role == "assistant":
+                text = strip_reasoning(text)
+            if text:
+                parts.append({"type": "text", "text": text})
+        if not parts:
+            continue
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"].extend(parts)
+        else:
+            messages.append({"role": role, "content": parts})
+    for message in messages:
+        if message["role"] == "user":
+            # Keep media ahead of text inside a merged turn, in upload order.
+            message["content"].sort(key=lambda part: part["type"] == "text")
+    return messages

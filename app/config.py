@@ -1,0 +1,68 @@
+"""Command-line options of the demo; each one can also be set by an environment variable (for Spaces)."""
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from app import limits
+
+DEFAULT_MODEL = "openbmb/MiniCPM-V-4.6"
+TINY_RANDOM = "tiny-random"
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    host: str = "127.0.0.1"
+    port: int = 7860
+    share: bool = False
+    max_new_tokens: int = 512
+    visual_token_budget: int = limits.DEFAULT_VISUAL_TOKEN_BUDGET
+    queue_size: int = limits.DEFAULT_QUEUE_SIZE
+    warmup: bool = True
+
+
+# (flag, field, environment variable, type, help)
+_OPTIONS = [
+    ("--model", "model", "MINICPMV_MODEL", str,
+     f"Hub id or local folder of a MiniCPM-V checkpoint, or '{TINY_RANDOM}' for a tiny random-weight model "
+     "built offline (for tests and trying the UI without weights)."),
+    ("--device", "device", "MINICPMV_DEVICE", str, "'auto' (CUDA if present, else CPU), 'cuda', 'cuda:N' or 'cpu'."),
+    ("--dtype", "dtype", "MINICPMV_DTYPE", str, "'auto' (bfloat16 on CUDA, float32 on CPU), 'bfloat16', 'float16' or 'float32'."),
+    ("--attn-implementation", "attn_implementation", "MINICPMV_ATTN", str, "Attention kernels: 'sdpa', 'eager' or 'flash_attention_2'."),
+    ("--host", "host", "GRADIO_SERVER_NAME", str, "Address to listen on; 0.0.0.0 to serve a network."),
+    ("--port", "port", "GRADIO_SERVER_PORT", int, "Port to listen on."),
+    ("--max-new-tokens", "max_new_tokens", "MINICPMV_MAX_NEW_TOKENS", int, "Default reply length cap shown in the UI."),
+    ("--visual-token-budget", "visual_token_budget", "MINICPMV_VISUAL_TOKEN_BUDGET", int,
+     "Default visual tokens one request may spend on all its images together."),
+    ("--queue-size", "queue_size", "MINICPMV_QUEUE_SIZE", int, "Requests allowed to wait for the model; more are told the demo is busy."),
+]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = AppConfig()
+    parser = argparse.ArgumentParser(
+        prog="python app.py",
+        description="MiniCPM-V web demo: chat about images, several images or a video, with streamed replies.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for flag, field, env, kind, help_text in _OPTIONS:
+        default = kind(os.environ.get(env, getattr(defaults, field)))
+        parser.add_argument(flag, dest=field, type=kind, default=default, help=f"{help_text} [env {env}]")
+    parser.add_argument("--share", action="store_true", default=_env_flag("MINICPMV_SHARE"),
+                        help="Also serve through a public Gradio share link. [env MINICPMV_SHARE]")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
+                        help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> AppConfig:
+    args = build_parser().parse_args(argv)
+    return AppConfig(**vars(args))

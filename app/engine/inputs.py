@@ -1,0 +1,106 @@
+"""Where a conversation becomes model inputs: media loaded, slices planned, prompt rendered, tokens counted."""
+
+from dataclasses import dataclass, field
+
+from app import limits
+from app.chat import THINK_OPEN
+from app.engine.settings import GenerationSettings
+from app.errors import UserError
+from app.media.budget import plan_slices
+from app.media.images import load_image
+from app.media.video import sample_video
+
+
+@dataclass
+class PreparedInputs:
+    tensors: dict  # processor output, ready for generate()
+    prompt_tokens: int
+    image_tokens: list[int] = field(default_factory=list)  # per image, in prompt order
+    video_tokens: int = 0
+    video_frames: int = 0
+    notices: list[str] = field(default_factory=list)
+    opens_thinking: bool = False  # the chat template left a reasoning block open for the reply
+
+    @property
+    def visual_tokens(self) -> int:
+        return sum(self.image_tokens) + self.video_tokens
+
+
+def _media_paths(messages: list[dict], kind: str) -> list[str]:
+    return [part["path"] for message in messages for part in message["content"] if part["type"] == kind]
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Model messages as the chat template takes them: media parts carry no payload."""
+    return [
+        {"role": message["role"],
+         "content": [part if part["type"] == "text" else {"type": part["type"]} for part in message["content"]]}
+        for message in messages
+    ]
+
+
+def _check_text(messages: list[dict]) -> None:
+    for message in messages:
+        for part in message["content"]:
+            if part["type"] == "text" and len(part["text"]) > limits.MAX_PROMPT_CHARS:
+                raise UserError(limits.MSG_PROMPT_TOO_LONG.format(count=len(part["text"]), limit=limits.MAX_PROMPT_CHARS))
+
+
+def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
+    if not messages or messages[-1]["role"] != "user":
+        raise UserError(limits.MSG_EMPTY_REQUEST)
+    _check_text(messages)
+    image_paths = _media_paths(messages, "image")
+    video_paths = _media_paths(messages, "video")
+    if len(image_paths) > limits.MAX_IMAGES_PER_REQUEST:
+        raise UserError(limits.MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
+    if len(video_paths) > 1 or (video_paths and image_paths):
+        raise UserError(limits.MSG_ONE_VIDEO)
+
+    images = [load_image(path) for path in image_paths]
+    notices = []
+    processor_kwargs = {}
+    plan = None
+    if images:
+        plan = plan_slices(processor.image_processor, [(image.height, image.width) for image in images],
+                           settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
+        if plan.notice():
+            notices.append(plan.notice())
+        processor_kwargs["images"] = [images]
+        processor_kwargs["images_kwargs"] = {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode}
+    video = None
+    if video_paths:
+        video = sample_video(video_paths[0], settings.video_fps, settings.video_max_frames)
+        processor_kwargs["videos"] = [video.frames]
+        processor_kwargs["videos_kwargs"] = {
+            "max_slice_nums": settings.video_slices_per_frame,
+            "downsample_mode": settings.downsample_mode,
+            "do_sample_frames": False,  # frames were sampled by app.media.video
+        }
+
+    prompt = processor.apply_chat_template(
+        _template_messages(messages), add_generation_prompt=True, tokenize=False,
+        enable_thinking=settings.enable_thinking,
+    )
+    tensors = processor(text=[prompt], return_tensors="pt", **processor_kwargs)
+    input_ids = tensors["input_ids"][0]
+    tokenizer = processor.tokenizer
+    prompt_tokens = int(input_ids.numel())
+    needed = prompt_tokens + settings.max_new_tokens
+    if needed > max_context_tokens:
+        raise UserError(limits.MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
+    video_tokens = int((input_ids == tokenizer.video_token_id).sum())
+    image_tokens = list(plan.tokens_per_image) if plan else []
+    counted = int((input_ids == tokenizer.image_token_id).sum())
+    if counted != sum(image_tokens):
+        # The planner mirrors the processor's geometry; if a checkpoint's processor differs, trust the count.
+        image_tokens = [counted] if counted else []
+    return PreparedInputs(
+        tensors=dict(tensors),
+        prompt_tokens=prompt_tokens,
+        image_tokens=image_tokens,
+        video_tokens=video_tokens,
+        video_frames=len(video.frame_indices) if video else 0,
+        notices=notices,
+        opens_thinking=prompt.rstrip().endswith(THINK_OPEN),
+    )

@@ -1,0 +1,103 @@
+"""Resolving --model to a local checkpoint folder and loading model and processor from it.
+
+Every checkpoint, the tiny random one included, goes through the same `from_pretrained` calls.
+"""
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from app import limits
+from app.config import TINY_RANDOM
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# What a checkpoint needs to load; skips extra formats (GGUF, ONNX) that some repos also carry.
+_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+class ModelUnavailable(UserError):
+    """The model cannot be found locally nor fetched: the app cannot start."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for
+    path: str  # local folder that from_pretrained reads
+    random_weights: bool = False
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_model(name: str) -> ModelSource:
+    if name == TINY_RANDOM:
+        from app.engine.tiny_random import ensure_tiny_checkpoint
+
+        return ModelSource(name=name, path=ensure_tiny_checkpoint(), random_weights=True)
+    if os.path.isdir(name):
+        return ModelSource(name=name, path=name)
+
+    from huggingface_hub import snapshot_download
+
+    try:
+        return ModelSource(name=name, path=snapshot_download(name, allow_patterns=_CHECKPOINT_FILES, local_files_only=True))
+    except Exception:  # not (completely) in the local cache: fetch it below
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    # Without this check huggingface_hub retries for about half a minute before failing.
+    if offline or not _hub_reachable():
+        reason = "HF_HUB_OFFLINE is set" if offline else "the Hub is unreachable"
+        raise ModelUnavailable(limits.MSG_MODEL_UNAVAILABLE.format(model=name, reason=reason))
+    log.info("Downloading %s from the Hugging Face Hub", name)
+    try:
+        path = snapshot_download(name, allow_patterns=_CHECKPOINT_FILES)
+    except Exception as error:
+        raise ModelUnavailable(limits.MSG_MODEL_UNAVAILABLE.format(model=name, reason=str(error).splitlines()[0])) from error
+    return ModelSource(name=name, path=path)
+
+
+def pick_device(requested: str) -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(requested: str, device: str):
+    import torch
+
+    if requested == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, requested)
+
+
+def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str):
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        AutoConfig.from_pretrained(source.path)
+    except (KeyError, ValueError) as error:
+        import transformers
+
+        raise ModelUnavailable(
+            f"The installed transformers {transformers.__version__} cannot read “{source.name}” ({error}). "
+            "Upgrade transformers (pip install -U transformers) or pick another checkpoint."
+        ) from error
+    processor = AutoProcessor.from_pretrained(source.path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        source.path, dtype=dtype, attn_implementation=attn_implementation, device_map=device
+    )
+    model.eval()
+    return model, processor

@@ -1,0 +1,275 @@
+"""The model manager: one per process, owns the model and processor, and runs every request.
+
+A request's lifecycle: prepare inputs on the calling thread (CPU work, no lock), wait for the GPU
+lock, run `generate()` on a worker thread feeding a streamer, yield text as it arrives, release.
+Closing the stream at any point (user pressed Stop, client went away) sets the request's stop event,
+which a StoppingCriteria reads at every decode step, so `generate()` itself ends within one step.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from app import limits
+from app.config import AppConfig
+from app.engine.inputs import PreparedInputs, prepare_inputs
+from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
+from app.engine.settings import GenerationSettings
+from app.errors import UserError
+from app.media.budget import SlicePlan, plan_slices
+from app.media.images import load_image
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplyUpdate:
+    """The reply so far; `stats` is set on the last update only."""
+
+    text: str
+    notices: list[str] = field(default_factory=list)
+    opens_thinking: bool = False  # the prompt already opened a reasoning block: `text` starts inside it
+    stats: dict | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    model_type: str
+    device: str
+    dtype: str
+    parameters: int
+    weight_bytes: int
+    random_weights: bool
+    warmup_s: float | None
+
+
+def _streamer_class():
+    from transformers import TextIteratorStreamer
+
+    class CountingStreamer(TextIteratorStreamer):
+        """Also counts generated tokens and notes when the first one arrived."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.new_tokens = 0
+            self.first_token_at = None
+
+        def put(self, value):
+            if not (self.skip_prompt and self.next_tokens_are_prompt):
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                self.new_tokens += value.numel()
+            super().put(value)
+
+    return CountingStreamer
+
+
+def _stop_criteria(stop_event: threading.Event):
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopOnEvent(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), stop_event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([StopOnEvent()])
+
+
+class ModelManager:
+    def __init__(self, config: AppConfig):
+        self.config = config
+        self.model = None
+        self.processor = None
+        self.source: ModelSource | None = None
+        self.device = None
+        self.warmup_s = None
+        self._gpu_lock = threading.Lock()
+        self._workers_lock = threading.Lock()
+        self._workers: set[threading.Thread] = set()
+
+    # Loading ---------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        started = time.perf_counter()
+        self.source = resolve_model(self.config.model)
+        self.device = pick_device(self.config.device)
+        dtype = pick_dtype(self.config.dtype, self.device)
+        self.model, self.processor = load_model_and_processor(self.source, self.device, dtype, self.config.attn_implementation)
+        log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
+
+    def warm_up(self) -> float:
+        """One short generation with an image, so kernels and caches are ready before the first user."""
+        import tempfile
+
+        from PIL import Image
+
+        started = time.perf_counter()
+        with tempfile.NamedTemporaryFile(suffix=".png") as file:
+            Image.new("RGB", (448, 448), (120, 160, 200)).save(file.name)
+            messages = [{"role": "user", "content": [{"type": "image", "path": file.name},
+                                                     {"type": "text", "text": "Describe the image."}]}]
+            settings = GenerationSettings(max_new_tokens=4, do_sample=False)
+            for _ in self.stream(messages, settings):
+                pass
+        self.warmup_s = time.perf_counter() - started
+        log.info("Warm-up took %.2f s", self.warmup_s)
+        return self.warmup_s
+
+    @property
+    def loaded(self) -> bool:
+        return self.model is not None
+
+    def info(self) -> ModelInfo:
+        parameters = sum(p.numel() for p in self.model.parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return ModelInfo(
+            name=self.source.name, path=self.source.path, model_type=self.model.config.model_type,
+            device=str(self.device), dtype=str(self.model.dtype).replace("torch.", ""), parameters=parameters,
+            weight_bytes=weight_bytes, random_weights=self.source.random_weights, warmup_s=self.warmup_s,
+        )
+
+    def gpu_memory_bytes(self) -> int | None:
+        import torch
+
+        if not str(self.device).startswith("cuda"):
+            return None
+        return torch.cuda.memory_allocated(self.device)
+
+    def default_settings(self) -> GenerationSettings:
+        """The checkpoint's own generation_config as the starting point for every request."""
+        generation = self.model.generation_config
+        return GenerationSettings(
+            max_new_tokens=self.config.max_new_tokens,
+            do_sample=bool(generation.do_sample),
+            temperature=float(generation.temperature if generation.temperature is not None else 1.0),
+            top_p=float(generation.top_p if generation.top_p is not None else 1.0),
+            top_k=int(generation.top_k or 0),
+            repetition_penalty=float(generation.repetition_penalty or 1.0),
+            visual_token_budget=self.config.visual_token_budget,
+        )
+
+    @property
+    def max_context_tokens(self) -> int:
+        text_config = self.model.config.get_text_config()
+        return min(limits.MAX_CONTEXT_TOKENS, getattr(text_config, "max_position_embeddings", limits.MAX_CONTEXT_TOKENS))
+
+    @property
+    def active_workers(self) -> int:
+        """Generation threads still running: zero once every request has left the GPU."""
+        with self._workers_lock:
+            return sum(worker.is_alive() for worker in self._workers)
+
+    # Serving ---------------------------------------------------------------------------------------
+
+    def plan_images(self, paths: list[str], settings: GenerationSettings) -> SlicePlan:
+        """What these images would cost together under `settings`, without running the model."""
+        images = [load_image(path) for path in paths]
+        return plan_slices(self.processor.image_processor, [(image.height, image.width) for image in images],
+                           settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
+
+    def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
+        return prepare_inputs(self.processor, messages, settings, self.max_context_tokens)
+
+    def _generate_kwargs(self, prepared: PreparedInputs, settings: GenerationSettings, streamer, stop_event) -> dict:
+        tensors = {name: value.to(self.model.device) if hasattr(value, "to") else value
+                   for name, value in prepared.tensors.items()}
+        kwargs = dict(
+            **tensors,
+            streamer=streamer,
+            stopping_criteria=_stop_criteria(stop_event),
+            max_new_tokens=settings.max_new_tokens,
+            min_new_tokens=settings.min_new_tokens or None,
+            repetition_penalty=settings.repetition_penalty,
+            downsample_mode=settings.downsample_mode,
+            do_sample=settings.do_sample,
+        )
+        if settings.do_sample:
+            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+    def stream(self, messages: list[dict], settings: GenerationSettings) -> Iterator[ReplyUpdate]:
+        """Stream a reply to `messages`. Raises UserError for bad input and for failures the user should see."""
+        import torch
+
+        requested_at = time.perf_counter()
+        prepared = self.prepare(messages, settings)
+        prepared_at = time.perf_counter()
+        streamer = _streamer_class()(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        stop_event = threading.Event()
+        failure: list[BaseException] = []
+        kwargs = self._generate_kwargs(prepared, settings, streamer, stop_event)
+
+        def run_generate():
+            try:
+                with torch.inference_mode():
+                    self.model.generate(**kwargs)
+            except BaseException as error:  # reported to the waiting request below
+                failure.append(error)
+            finally:
+                streamer.end()
+
+        with self._gpu_lock:
+            started_at = time.perf_counter()
+            worker = threading.Thread(target=run_generate, name="generate", daemon=True)
+            with self._workers_lock:
+                self._workers = {w for w in self._workers if w.is_alive()} | {worker}
+            worker.start()
+            text = ""
+            try:
+                for chunk in streamer:
+                    text += chunk
+                    yield ReplyUpdate(text=text, notices=prepared.notices, opens_thinking=prepared.opens_thinking)
+            finally:
+                stop_event.set()
+                worker.join(limits.WORKER_JOIN_TIMEOUT_S)
+                if worker.is_alive():
+                    log.error("generate() did not stop within %.0f s", limits.WORKER_JOIN_TIMEOUT_S)
+        finished_at = time.perf_counter()
+        if failure:
+            self._raise_for(failure[0])
+        first = streamer.first_token_at or finished_at
+        decode_s = finished_at - first
+        stats = {
+            "visual_tokens": prepared.visual_tokens,
+            "image_tokens": prepared.image_tokens,
+            "video_tokens": prepared.video_tokens,
+            "video_frames": prepared.video_frames,
+            "prompt_tokens": prepared.prompt_tokens,
+            "new_tokens": streamer.new_tokens,
+            "ttft_ms": round((first - requested_at) * 1000, 1),
+            "preprocess_ms": round((prepared_at - requested_at) * 1000, 1),
+            "queue_ms": round((started_at - prepared_at) * 1000, 1),
+            "tokens_per_s": round((streamer.new_tokens - 1) / decode_s, 1) if streamer.new_tokens > 1 and decode_s > 0 else None,
+            "total_ms": round((finished_at - requested_at) * 1000, 1),
+        }
+        yield ReplyUpdate(text=text, notices=prepared.notices, opens_thinking=prepared.opens_thinking, stats=stats)
+
+    def _raise_for(self, error: BaseException) -> None:
+        import torch
+
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            raise UserError(limits.MSG_OUT_OF_MEMORY) from error
+        log.error("generate() failed", exc_info=error)
+        raise UserError(limits.MSG_GENERATION_FAILED.format(error=f"{type(error).__name__}: {error}")) from error
+
+
+_manager: ModelManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_manager(config: AppConfig | None = None) -> ModelManager:
+    """The process-wide manager; the first call creates it from `config`."""
+    global _manager
+    with _manager_lock:
+        if _manager is None:
+            if config is None:
+                raise RuntimeError("the model manager has not been created yet")
+            _manager = ModelManager(config)
+        return _manager

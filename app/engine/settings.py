@@ -1,0 +1,87 @@
+"""Per-request settings: decoding, visual budget and video sampling, validated in one place."""
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from app import limits
+from app.errors import UserError
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = limits.DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 0
+    do_sample: bool = True
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    max_slice_nums: int = limits.DEFAULT_MAX_SLICE_NUMS
+    downsample_mode: str = "16x"
+    visual_token_budget: int = limits.DEFAULT_VISUAL_TOKEN_BUDGET
+    enable_thinking: bool = False
+    video_fps: float = limits.DEFAULT_VIDEO_FPS
+    video_max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES
+    video_slices_per_frame: int = limits.DEFAULT_VIDEO_SLICES_PER_FRAME
+
+    def with_overrides(self, overrides: dict) -> "GenerationSettings":
+        """These settings with `overrides` applied, each checked; unknown keys and bad values raise UserError."""
+        known = {field.name: field.type for field in fields(self)}
+        values = {}
+        for key, value in (overrides or {}).items():
+            if key not in known:
+                raise UserError(limits.MSG_UNKNOWN_SETTING.format(key=key, known=", ".join(sorted(known))))
+            values[key] = _coerce(key, value, known[key])
+        updated = replace(self, **values)
+        updated.check()
+        return updated
+
+    def check(self) -> None:
+        _in_range("max_new_tokens", self.max_new_tokens, 1, limits.MAX_NEW_TOKENS)
+        _in_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
+        _in_range("temperature", self.temperature, 0.0, 5.0)
+        if self.do_sample and self.temperature == 0:
+            raise UserError(limits.MSG_BAD_SETTING.format(key="temperature", problem="must be above 0 when sampling"))
+        _in_range("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0:
+            raise UserError(limits.MSG_BAD_SETTING.format(key="top_p", problem="must be above 0"))
+        _in_range("top_k", self.top_k, 0, 1000)
+        _in_range("repetition_penalty", self.repetition_penalty, 0.5, 2.0)
+        _in_range("max_slice_nums", self.max_slice_nums, 1, limits.MAX_SLICE_NUMS)
+        if self.downsample_mode not in limits.DOWNSAMPLE_MODES:
+            raise UserError(limits.MSG_BAD_SETTING.format(
+                key="downsample_mode", problem=f"must be one of {', '.join(limits.DOWNSAMPLE_MODES)}"))
+        _in_range("visual_token_budget", self.visual_token_budget, 64, limits.MAX_VISUAL_TOKEN_BUDGET)
+        _in_range("video_fps", self.video_fps, 0.01, limits.MAX_VIDEO_FPS)
+        _in_range("video_max_frames", self.video_max_frames, 1, limits.MAX_VIDEO_FRAMES)
+        _in_range("video_slices_per_frame", self.video_slices_per_frame, 1, limits.MAX_SLICE_NUMS)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _coerce(key: str, value, kind):
+    try:
+        if kind in (bool, "bool"):
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            raise ValueError
+        if kind in (int, "int"):
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            return int(float(value))
+        if kind in (float, "float"):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError, OverflowError):
+        expected = {"bool": "true or false", "int": "a whole number", "float": "a number"}.get(
+            getattr(kind, "__name__", kind), "text")
+        raise UserError(limits.MSG_BAD_SETTING.format(key=key, problem=f"expected {expected}, got {value!r}")) from None
+
+
+def _in_range(key: str, value, low, high) -> None:
+    if not low <= value <= high:
+        raise UserError(limits.MSG_BAD_SETTING.format(key=key, problem=f"must be between {low} and {high}, got {value}"))

@@ -1,0 +1,170 @@
+"""Builds a tiny random-weight MiniCPM-V 4.6 checkpoint offline, complete enough to load like a real one.
+
+It has what a real checkpoint has: a byte-level BPE tokenizer carrying the processor's special tokens,
+a Qwen-style chat template with image/video parts and `enable_thinking`, a config of the real
+architecture (SigLIP-style vision tower with the window merger, Qwen3.5 text with one linear-attention
+and one full-attention layer), image and video processors at their real defaults, and a
+generation_config. It is saved to disk and loaded back through the ordinary `from_pretrained` path.
+"""
+
+import os
+import shutil
+import tempfile
+
+# Bump when the checkpoint's contents change, so stale caches are rebuilt rather than reused.
+TINY_RANDOM_VERSION = "v1"
+
+PROCESSOR_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "image_start_token": "<image>",
+    "image_end_token": "</image>",
+    "slice_start_token": "<slice>",
+    "slice_end_token": "</slice>",
+    "image_id_start_token": "<image_id>",
+    "image_id_end_token": "</image_id>",
+}
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Like Qwen3, the thinking tags are ordinary added tokens, so decoding with skip_special_tokens keeps them.
+THINK_TOKENS = ["<think>", "</think>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|image_pad|>\\n' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<|video_pad|>\\n' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking -%}{{- '<think>\\n' -}}"
+    "{%- else -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+_TRAINING_TEXT = [
+    "The picture shows a red square and a blue circle on a white background.",
+    "What is in this image? Describe the scene, the colours and the objects in detail.",
+    "A small cat sits on a wooden table next to a cup of coffee in the morning light.",
+    "The video shows a ball moving from the left side of the frame to the right.",
+    "Compare the two images and tell me what changed between them.",
+    "There are three people walking along a beach at sunset, and the sky is orange.",
+    "The chart has numbers, labels and a title; the text reads: total sales by month.",
+]
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=CONTROL_TOKENS + list(PROCESSOR_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(_TRAINING_TEXT * 4, trainer)
+    bpe.add_tokens(THINK_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=PROCESSOR_TOKENS,
+    )
+
+
+def _build_checkpoint(folder: str) -> None:
+    import torch
+    from transformers import GenerationConfig, MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
+    from transformers.models.minicpmv4_6 import (
+        MiniCPMV4_6ImageProcessor,
+        MiniCPMV4_6Processor,
+        MiniCPMV4_6VideoProcessor,
+    )
+
+    tokenizer = _build_tokenizer()
+    processor = MiniCPMV4_6Processor(
+        image_processor=MiniCPMV4_6ImageProcessor(),
+        video_processor=MiniCPMV4_6VideoProcessor(),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+    text_config = {
+        "model_type": "qwen3_5_text",
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "linear_conv_kernel_dim": 4,
+        "attn_output_gate": True,
+        "max_position_embeddings": 65536,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": True,
+        # Larger than the usual 0.02 so that greedy replies depend on the prompt and image (at 0.02 a
+        # random model repeats one token whatever it is shown), which isolation tests need.
+        "initializer_range": 0.3,
+    }
+    # patch_size 14 must match the processor; 980 px gives the real 70x70 position table.
+    vision_config = {
+        "model_type": "minicpmv4_6_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "patch_size": 14,
+        "image_size": 980,
+    }
+    config = MiniCPMV4_6Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        insert_layer_id=1,
+        image_size=1120,
+        image_token_id=tokenizer.image_token_id,
+        video_token_id=tokenizer.video_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = MiniCPMV4_6ForConditionalGeneration(config)
+    end_ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
+    model.generation_config = GenerationConfig(
+        eos_token_id=end_ids, pad_token_id=end_ids[1], do_sample=True, temperature=0.7, top_p=1.0, top_k=0
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("MINICPMV_DEMO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minicpmv-demo")
+
+
+def ensure_tiny_checkpoint(cache_dir: str | None = None) -> str:
+    """Path of the tiny checkpoint, building it on first use. Safe when several processes race to build."""
+    cache_dir = cache_dir or default_cache_dir()
+    folder = os.path.join(cache_dir, f"tiny-random-minicpmv4_6-{TINY_RANDOM_VERSION}")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    os.makedirs(cache_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".building-", dir=cache_dir)
+    try:
+        _build_checkpoint(staging)
+        try:
+            os.rename(staging, folder)
+        except OSError:
+            if not os.path.exists(os.path.join(folder, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

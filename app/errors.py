@@ -1,0 +1,5 @@
+"""The one exception type whose message is meant for the user."""
+
+
+class UserError(ValueError):
+    """Bad input or an unmet limit: shown to the user as is, and the app keeps serving."""

@@ -1,0 +1,66 @@
+"""Every limit of the demo and every message a user can see, in one place."""
+
+# Uploads.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".avi", ".mkv")
+MAX_IMAGES_PER_REQUEST = 16
+# PIL's own bomb guard only warns below 2x this; we refuse anything above it before decoding pixels.
+MAX_IMAGE_PIXELS = 64_000_000
+
+# Visual token budget (MiniCPM-V slicing: a 448-px source view plus up to 9 slices of 64 tokens each).
+DEFAULT_MAX_SLICE_NUMS = 9
+MAX_SLICE_NUMS = 9
+DEFAULT_VISUAL_TOKEN_BUDGET = 2560
+MAX_VISUAL_TOKEN_BUDGET = 16384
+DOWNSAMPLE_MODES = ("16x", "4x")
+
+# Video sampling.
+DEFAULT_VIDEO_FPS = 1.0
+MAX_VIDEO_FPS = 10.0
+DEFAULT_VIDEO_MAX_FRAMES = 64
+MAX_VIDEO_FRAMES = 128
+DEFAULT_VIDEO_SLICES_PER_FRAME = 1
+
+# Text.
+MAX_PROMPT_CHARS = 20_000
+MAX_CONTEXT_TOKENS = 32_768
+DEFAULT_MAX_NEW_TOKENS = 1024
+MAX_NEW_TOKENS = 8192
+
+# Serving.
+DEFAULT_QUEUE_SIZE = 64
+# How long a finished or stopped request may take to leave the GPU before we report it stuck.
+WORKER_JOIN_TIMEOUT_S = 30.0
+
+# User-facing messages.
+MSG_EMPTY_REQUEST = "Type a question or attach an image or video first."
+MSG_UNSUPPORTED_FILE = "“{name}” is not a supported file. Images: {images}. Videos: {videos}."
+MSG_UNREADABLE_IMAGE = "“{name}” could not be read as an image (the file is corrupt, truncated or not an image)."
+MSG_IMAGE_TOO_LARGE = "“{name}” is {pixels:,} pixels; the limit is {limit:,}. Please downscale it."
+MSG_TOO_MANY_IMAGES = "{count} images in one request; the limit is {limit}."
+MSG_ONE_VIDEO = "Send one video at a time, without images beside it."
+MSG_UNREADABLE_VIDEO = "“{name}” could not be decoded as a video."
+MSG_EMPTY_VIDEO = "“{name}” has no frames that could be decoded."
+MSG_PROMPT_TOO_LONG = "The message is {count:,} characters; the limit is {limit:,}."
+MSG_CONTEXT_TOO_LONG = (
+    "This request needs {count:,} tokens (text, images and the reply), over the {limit:,}-token context. "
+    "Start a new conversation, attach fewer images, or lower the slices or max new tokens."
+)
+MSG_OVER_VISUAL_BUDGET = (
+    "{count} images need at least {needed:,} visual tokens even at 1 slice each, over the {budget:,}-token "
+    "visual budget. Raise the budget or send fewer images."
+)
+MSG_BAD_SETTING = "Setting “{key}”: {problem}"
+MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
+MSG_OUT_OF_MEMORY = "The GPU ran out of memory for this request. Try fewer images, fewer slices or a shorter reply."
+MSG_GENERATION_FAILED = "Generation failed: {error}"
+MSG_MULTI_IMAGE_NEEDS_IMAGES = "Add at least one image to the gallery first."
+MSG_VIDEO_NEEDS_VIDEO = "Upload a video first."
+MSG_RANDOM_WEIGHTS = (
+    "⚠️ **Random weights.** This is the tiny random-weight MiniCPM-V 4.6 built for tests: replies are "
+    "meaningless tokens. Start with `--model openbmb/MiniCPM-V-4.6` for real answers."
+)
+MSG_MODEL_UNAVAILABLE = (
+    "Cannot load “{model}”: it is not a local folder and could not be fetched from the Hugging Face Hub "
+    "({reason}). Pass a local checkpoint folder with --model PATH, or try the demo offline with --model tiny-random."
+)

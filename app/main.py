@@ -1,0 +1,46 @@
+"""Start-up, in order: options, model load, warm-up, UI, server."""
+
+import logging
+import sys
+
+from app.config import AppConfig, parse_config
+from app.engine.loader import ModelUnavailable
+from app.engine.manager import ModelManager, get_manager
+
+log = logging.getLogger("app")
+
+
+def load_manager(config: AppConfig) -> ModelManager:
+    manager = get_manager(config)
+    if not manager.loaded:
+        manager.load()
+        if config.warmup:
+            manager.warm_up()
+    return manager
+
+
+def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool = False):
+    """Serve the UI; returns the Blocks (and keeps serving in the background) when prevent_thread_lock is set."""
+    import gradio as gr
+
+    from app.ui.layout import CSS_PATH, build_demo
+
+    if config.share:
+        log.warning("--share makes this demo reachable by anyone who has the link.")
+    demo = build_demo(manager)
+    demo.queue(max_size=config.queue_size, default_concurrency_limit=1)
+    demo.launch(server_name=config.host, server_port=config.port, share=config.share,
+                prevent_thread_lock=prevent_thread_lock, css_paths=[CSS_PATH], theme=gr.themes.Soft(),
+                footer_links=["api", "gradio"])
+    return demo
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_config(argv)
+    try:
+        manager = load_manager(config)
+    except ModelUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    launch(config, manager)

@@ -1,0 +1,236 @@
+"""Plain functions behind every UI event and the /ask API, testable without a server.
+
+They reach the model only through the manager's small interface: `default_settings()`, `stream()`
+and `plan_images()`.
+"""
+
+import os
+
+import gradio as gr
+
+from app import limits
+from app.chat import history_to_messages, reply_for_display, strip_reasoning, user_content
+from app.errors import UserError
+from app.media.files import media_kind
+from app.media.images import load_image
+from app.media.video import probe_video, sampled_frame_indices
+
+# Order of the settings components that every generating event passes after its own inputs.
+SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty",
+                "enable_thinking", "max_slice_nums", "downsample_mode", "visual_token_budget",
+                "video_fps", "video_max_frames", "video_slices_per_frame")
+
+
+def _path(file) -> str:
+    if isinstance(file, str):
+        return file
+    if isinstance(file, dict):
+        return file["path"]
+    if isinstance(file, (list, tuple)):  # gallery items are (path, caption)
+        return file[0]
+    return file.path
+
+
+def _check_upload(path: str) -> None:
+    if media_kind(path) == "image":
+        load_image(path)
+    else:
+        probe_video(path)
+
+
+def stats_message(stats: dict, notices: list[str]) -> dict:
+    """A collapsible line under the reply: the reader sees it, the model never does (it has metadata)."""
+    speed = f" · {stats['tokens_per_s']:.0f} tok/s" if stats["tokens_per_s"] else ""
+    title = (f"{stats['visual_tokens']:,} visual tokens · first token {stats['ttft_ms']:.0f} ms{speed}"
+             f" · {stats['new_tokens']} new tokens")
+    details = [f"Prompt: {stats['prompt_tokens']:,} tokens."]
+    if stats["image_tokens"]:
+        details.append("Images: " + ", ".join(f"#{i + 1} {n:,}" for i, n in enumerate(stats["image_tokens"])) + " tokens.")
+    if stats["video_frames"]:
+        details.append(f"Video: {stats['video_frames']} frames, {stats['video_tokens']:,} tokens.")
+    details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms, waiting for the model {stats['queue_ms']:.0f} ms, "
+                   f"total {stats['total_ms'] / 1000:.2f} s.")
+    details.extend(notices)
+    return {"role": "assistant", "content": "\n\n".join(details), "metadata": {"title": title, "status": "done"}}
+
+
+def error_message(text: str) -> dict:
+    return {"role": "assistant", "content": text, "metadata": {"title": "⚠️ " + text, "status": "done"}}
+
+
+def _without_last_turn(history: list) -> list:
+    """History up to (not including) the last run of user messages: what to keep when a turn fails."""
+    end = len(history)
+    while end and history[end - 1]["role"] != "user":
+        end -= 1
+    while end and history[end - 1]["role"] == "user":
+        end -= 1
+    return list(history[:end])
+
+
+class Handlers:
+    def __init__(self, manager):
+        self.manager = manager
+
+    def settings_from(self, overrides: dict):
+        return self.manager.default_settings().with_overrides(overrides)
+
+    # Shared: stream a reply into a chat history -----------------------------------------------------
+
+    def respond(self, history: list, *setting_values):
+        """Stream the assistant's reply to the last user turn of `history` (Chat, Multi-image and Video tabs)."""
+        history = list(history or [])
+        try:
+            settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
+            messages = history_to_messages(history)
+            history.append({"role": "assistant", "content": ""})
+            for update in self.manager.stream(messages, settings):
+                history[-1] = {"role": "assistant", "content": reply_for_display(update.text, update.opens_thinking)}
+                if update.stats is not None:
+                    history.append(stats_message(update.stats, update.notices))
+                yield history
+        except UserError as error:
+            gr.Warning(str(error))
+            yield _without_last_turn(history) + [error_message(str(error))]
+
+    # Chat tab ---------------------------------------------------------------------------------------
+
+    def add_chat_message(self, message: dict | None, camera_image: str | None, history: list):
+        """Put the user's text and attachments into the history; bad files are refused here, before the model."""
+        message = message or {}
+        text = message.get("text") or ""
+        paths = [_path(file) for file in message.get("files") or []]
+        if camera_image:
+            paths.append(camera_image)
+        if not text.strip() and not paths:
+            raise gr.Error(limits.MSG_EMPTY_REQUEST)
+        try:
+            for path in paths:
+                _check_upload(path)
+        except UserError as error:
+            raise gr.Error(str(error)) from None
+        history = list(history or [])
+        history.extend({"role": "user", "content": {"path": path}} for path in paths)
+        if text.strip():
+            history.append({"role": "user", "content": text})
+        return history, None, None
+
+    def retry(self, history: list, retry_data: gr.RetryData):
+        """Keep history up to the retried turn's user message; `respond` then answers it again."""
+        kept = list(history[: retry_data.index + 1])
+        while kept and kept[-1]["role"] != "user":
+            kept.pop()
+        return kept
+
+    def undo(self, history: list, undo_data: gr.UndoData):
+        """Drop the undone turn and hand its text and files back to the input box."""
+        kept = list(history[: undo_data.index + 1])
+        while kept and kept[-1]["role"] != "user":
+            kept.pop()
+        removed = []
+        while kept and kept[-1]["role"] == "user":
+            removed.insert(0, kept.pop())
+        parts = [part for message in history_to_messages(removed) for part in message["content"]]
+        text = "\n".join(part["text"] for part in parts if part["type"] == "text")
+        files = [part["path"] for part in parts if part["type"] != "text"]
+        return kept, {"text": text, "files": files}
+
+    # Multi-image tab --------------------------------------------------------------------------------
+
+    def image_costs(self, gallery: list | None, *setting_values) -> str:
+        paths = [_path(item) for item in gallery or []]
+        if not paths:
+            return "Add two or more images, then ask about them together."
+        try:
+            settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
+            plan = self.manager.plan_images(paths, settings)
+        except UserError as error:
+            return f"⚠️ {error}"
+        rows = [f"| {i + 1} | {os.path.basename(path)} | {tokens:,} |" for i, (path, tokens) in enumerate(zip(paths, plan.tokens_per_image))]
+        table = "\n".join(["| # | image | visual tokens |", "|---|---|---|", *rows])
+        summary = f"**{plan.total_tokens:,}** of {plan.budget:,} visual tokens, max {plan.max_slice_nums} slices per image."
+        return "\n\n".join(filter(None, [table, summary, plan.notice()]))
+
+    @staticmethod
+    def selected_index(event: gr.SelectData) -> int:
+        return event.index
+
+    @staticmethod
+    def move_image(gallery: list | None, index: int | None, offset: int):
+        paths = [_path(item) for item in gallery or []]
+        if index is None or not 0 <= index < len(paths):
+            return paths, index
+        target = min(max(index + offset, 0), len(paths) - 1)
+        paths.insert(target, paths.pop(index))
+        return paths, target
+
+    @staticmethod
+    def remove_image(gallery: list | None, index: int | None):
+        paths = [_path(item) for item in gallery or []]
+        if index is not None and 0 <= index < len(paths):
+            paths.pop(index)
+        return paths, None
+
+    def add_multi_image_question(self, question: str, gallery: list | None, history: list):
+        """The first question carries every gallery image, in gallery order; follow-ups are text only."""
+        paths = [_path(item) for item in gallery or []]
+        if not paths:
+            raise gr.Error(limits.MSG_MULTI_IMAGE_NEEDS_IMAGES)
+        return self._add_question(question, paths, history)
+
+    # Video tab --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def video_summary(video: str | None, video_fps: float, video_max_frames: int) -> str:
+        if not video:
+            return "Upload a video (mp4, webm, mov, avi or mkv), then ask about it."
+        try:
+            total_frames, native_fps = probe_video(video)
+        except UserError as error:
+            return f"⚠️ {error}"
+        frames = len(sampled_frame_indices(total_frames, native_fps, video_fps, int(video_max_frames)))
+        return (f"{total_frames / native_fps:.1f} s at {native_fps:.1f} fps ({total_frames:,} frames): "
+                f"**{frames}** frames will be sampled.")
+
+    def add_video_question(self, question: str, video: str | None, history: list):
+        if not video:
+            raise gr.Error(limits.MSG_VIDEO_NEEDS_VIDEO)
+        return self._add_question(question, [video], history)
+
+    def _add_question(self, question: str, paths: list[str], history: list):
+        if not (question or "").strip():
+            raise gr.Error(limits.MSG_EMPTY_REQUEST)
+        history = list(history or [])
+        if not any(entry["role"] == "user" for entry in history):
+            try:
+                for path in paths:
+                    _check_upload(path)
+            except UserError as error:
+                raise gr.Error(str(error)) from None
+            history.extend({"role": "user", "content": {"path": path}} for path in paths)
+        history.append({"role": "user", "content": question})
+        return history, ""
+
+    # API --------------------------------------------------------------------------------------------
+
+    def ask(self, text: str, files: list | None, settings: dict | None, conversation: list | None):
+        """/ask: stream (reply_text, stats). settings["follow_up"] = true continues this client's last conversation."""
+        overrides = dict(settings or {})
+        follow_up = bool(overrides.pop("follow_up", False))
+        text = text or ""
+        paths = [_path(file) for file in files or []]
+        try:
+            generation_settings = self.settings_from(overrides)
+            if not text.strip() and not paths:
+                raise UserError(limits.MSG_EMPTY_REQUEST)
+            messages = list(conversation or []) if follow_up else []
+            messages.append({"role": "user", "content": user_content(text, paths)})
+            reply = ""
+            for update in self.manager.stream(messages, generation_settings):
+                reply = reply_for_display(update.text, update.opens_thinking)
+                if update.stats is None:
+                    yield reply, {"done": False}, gr.skip()
+            answer = {"role": "assistant", "content": [{"type": "text", "text": strip_reasoning(reply)}]}
+            yield reply, {"done": True, **update.stats, "notices": update.notices}, messages + [answer]
+        except UserError as error:
+            raise gr.Error(str(error)) from None

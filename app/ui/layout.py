@@ -1,0 +1,188 @@
+"""The Blocks layout: components and event wiring only; the work is done by app.ui.handlers."""
+
+import os
+
+import gradio as gr
+
+from app import limits
+from app.chat import THINK_CLOSE, THINK_OPEN
+from app.ui.handlers import SETTING_KEYS, Handlers
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
+EXAMPLES = os.path.join(ASSETS, "examples")
+CSS_PATH = os.path.join(ASSETS, "style.css")
+MODEL_EVENTS = "model"  # one concurrency group: every event that generates waits for the same model
+
+
+def zero_gpu(function):
+    """On Hugging Face ZeroGPU, the whole streaming generator must run under spaces.GPU; elsewhere, unchanged."""
+    if not os.environ.get("SPACES_ZERO_GPU"):
+        return function
+    import spaces
+
+    return spaces.GPU(function)
+
+
+def model_header(info) -> str:
+    memory = f"{info.weight_bytes / 2**30:.2f} GiB" if info.weight_bytes >= 2**30 else f"{info.weight_bytes / 2**20:.1f} MiB"
+    warmup = f" · warm-up {info.warmup_s:.2f} s" if info.warmup_s is not None else ""
+    return (f"# MiniCPM-V\nModel **{info.name}** (`{info.model_type}`) on **{info.device}** · {info.dtype} · "
+            f"{info.parameters / 1e6:,.2f} M parameters · {memory} of weights{warmup}")
+
+
+def _settings_sidebar(defaults) -> dict:
+    with gr.Sidebar(label="Settings", open=False):
+        gr.Markdown("### Decoding")
+        components = {
+            "max_new_tokens": gr.Slider(1, limits.MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
+            "do_sample": gr.Checkbox(value=defaults.do_sample, label="Sample (off: greedy)"),
+            "temperature": gr.Slider(0.01, 2.0, value=defaults.temperature, step=0.01, label="Temperature"),
+            "top_p": gr.Slider(0.01, 1.0, value=defaults.top_p, step=0.01, label="Top-p"),
+            "top_k": gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0: off)"),
+            "repetition_penalty": gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.01, label="Repetition penalty"),
+            "enable_thinking": gr.Checkbox(value=defaults.enable_thinking, label="Thinking (reason before answering)"),
+        }
+        gr.Markdown("### Visual tokens")
+        components.update({
+            "max_slice_nums": gr.Slider(1, limits.MAX_SLICE_NUMS, value=defaults.max_slice_nums, step=1,
+                                        label="Max slices per image",
+                                        info="A 1344x1344 image costs 64 tokens for its source view plus 64 per slice."),
+            "downsample_mode": gr.Radio(list(limits.DOWNSAMPLE_MODES), value=defaults.downsample_mode, label="Downsampling",
+                                        info="4x keeps 4 times more tokens per slice: finer detail, slower."),
+            "visual_token_budget": gr.Slider(64, limits.MAX_VISUAL_TOKEN_BUDGET, value=defaults.visual_token_budget, step=64,
+                                             label="Visual token budget per request",
+                                             info="Shared by all images; slices are lowered to fit."),
+        })
+    return components
+
+
+def _video_controls(defaults) -> dict:
+    with gr.Row():
+        return {
+            "video_fps": gr.Slider(0.1, limits.MAX_VIDEO_FPS, value=defaults.video_fps, step=0.1, label="Frames per second"),
+            "video_max_frames": gr.Slider(1, limits.MAX_VIDEO_FRAMES, value=defaults.video_max_frames, step=1, label="Max frames"),
+            "video_slices_per_frame": gr.Slider(1, limits.MAX_SLICE_NUMS, value=defaults.video_slices_per_frame, step=1,
+                                                label="Slices per frame"),
+        }
+
+
+def _chatbot(label: str, placeholder: str) -> gr.Chatbot:
+    return gr.Chatbot(label=label, height=480, placeholder=placeholder, reasoning_tags=[(THINK_OPEN, THINK_CLOSE)],
+                      buttons=["copy", "copy_all"], feedback_options=None)
+
+
+def _wire_answer(trigger, respond, chatbot, settings, stop_target):
+    """Stream a reply after `trigger` succeeds; the stop control cancels it, which halts generate() itself."""
+    answer = trigger.success(respond, [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
+                             api_visibility="undocumented")
+    stop_target.stop(None, None, None, cancels=[answer])
+    return answer
+
+
+def build_demo(manager) -> gr.Blocks:
+    handlers = Handlers(manager)
+    defaults = manager.default_settings()
+    info = manager.info()
+    respond = zero_gpu(handlers.respond)
+
+    with gr.Blocks(title="MiniCPM-V demo") as demo:
+        gr.Markdown(model_header(info), elem_id="model-header")
+        if info.random_weights:
+            gr.Markdown(limits.MSG_RANDOM_WEIGHTS, elem_id="random-weights")
+        sidebar = _settings_sidebar(defaults)
+
+        with gr.Tabs():
+            with gr.Tab("Chat", id="chat"):
+                chat = _chatbot("Chat", "Ask anything, or attach photos (upload, paste, or the camera below).")
+                chat_box = gr.MultimodalTextbox(
+                    file_count="multiple", file_types=list(limits.IMAGE_EXTENSIONS), sources=["upload"],
+                    placeholder="Message MiniCPM-V… (attach or paste images)", stop_btn=True, autofocus=True,
+                    show_label=False, elem_id="chat-input",
+                )
+                with gr.Accordion("Camera", open=False):
+                    camera = gr.Image(sources=["webcam", "clipboard"], type="filepath", label="Photo for the next message")
+                gr.Examples(
+                    examples=[[{"text": "What is in this picture?", "files": [os.path.join(EXAMPLES, "shapes.jpg")]}],
+                              [{"text": "Read the text in this image.", "files": [os.path.join(EXAMPLES, "sign.jpg")]}]],
+                    inputs=[chat_box], label="Examples",
+                )
+
+            with gr.Tab("Multi-image", id="multi"):
+                gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
+                                     columns=4, height=260, label="Images, in the order the model sees them")
+                selected = gr.State(None)
+                with gr.Row():
+                    earlier = gr.Button("◀ Move earlier", size="sm")
+                    later = gr.Button("Move later ▶", size="sm")
+                    remove = gr.Button("✕ Remove", size="sm")
+                costs = gr.Markdown(handlers.image_costs(None))
+                multi_chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.")
+                multi_box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True, stop_btn=True,
+                                       show_label=False, elem_id="multi-input")
+                gr.Examples(
+                    examples=[[[os.path.join(EXAMPLES, "shapes.jpg"), os.path.join(EXAMPLES, "shapes-moved.jpg")],
+                               "What changed between the two images?"]],
+                    inputs=[gallery, multi_box], label="Examples",
+                )
+
+            with gr.Tab("Video", id="video"):
+                video = gr.Video(sources=["upload"], label="Video", height=320)
+                video_settings = _video_controls(defaults)
+                video_info = gr.Markdown(handlers.video_summary(None, defaults.video_fps, defaults.video_max_frames))
+                video_chat = _chatbot("Conversation about the video", "Ask what happens in the video.")
+                video_box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True, stop_btn=True,
+                                       show_label=False, elem_id="video-input")
+                gr.Examples(examples=[[os.path.join(EXAMPLES, "ball.webm"), "Describe what happens in this video."]],
+                            inputs=[video, video_box], label="Examples")
+
+        with gr.Row(visible=False):
+            api_text = gr.Textbox()
+            api_files = gr.File(file_count="multiple", type="filepath")
+            api_settings = gr.JSON()
+            api_reply = gr.Textbox()
+            api_stats = gr.JSON()
+            api_button = gr.Button()
+        api_conversation = gr.State([])
+
+        settings = [{**sidebar, **video_settings}[key] for key in SETTING_KEYS]
+
+        # Chat tab.
+        added = chat_box.submit(handlers.add_chat_message, [chat_box, camera, chat], [chat, chat_box, camera],
+                                api_visibility="undocumented")
+        _wire_answer(added, respond, chat, settings, chat_box)
+        retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
+        _wire_answer(retried, respond, chat, settings, chat_box)
+        chat.undo(handlers.undo, [chat], [chat, chat_box], api_visibility="undocumented")
+        chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
+
+        # Multi-image tab: a changed set of images starts a new conversation.
+        cost_inputs = [gallery, *settings]
+        gallery.change(handlers.image_costs, cost_inputs, [costs], api_visibility="undocumented")
+        gallery.upload(lambda: [], None, [multi_chat], api_visibility="undocumented")
+        gallery.select(Handlers.selected_index, None, [selected], api_visibility="undocumented")
+        for button, offset in ((earlier, -1), (later, 1)):
+            button.click(lambda g, i, o=offset: Handlers.move_image(g, i, o), [gallery, selected], [gallery, selected],
+                         api_visibility="undocumented").then(lambda: [], None, [multi_chat], api_visibility="undocumented")
+        remove.click(Handlers.remove_image, [gallery, selected], [gallery, selected],
+                     api_visibility="undocumented").then(lambda: [], None, [multi_chat], api_visibility="undocumented")
+        for control in (sidebar["max_slice_nums"], sidebar["downsample_mode"], sidebar["visual_token_budget"]):
+            control.change(handlers.image_costs, cost_inputs, [costs], api_visibility="undocumented")
+        asked = multi_box.submit(handlers.add_multi_image_question, [multi_box, gallery, multi_chat], [multi_chat, multi_box],
+                                 api_visibility="undocumented")
+        _wire_answer(asked, respond, multi_chat, settings, multi_box)
+
+        # Video tab: a new video starts a new conversation.
+        summary_inputs = [video, video_settings["video_fps"], video_settings["video_max_frames"]]
+        video.change(handlers.video_summary, summary_inputs, [video_info], api_visibility="undocumented").then(
+            lambda: [], None, [video_chat], api_visibility="undocumented")
+        for control in (video_settings["video_fps"], video_settings["video_max_frames"]):
+            control.change(handlers.video_summary, summary_inputs, [video_info], api_visibility="undocumented")
+        asked_video = video_box.submit(handlers.add_video_question, [video_box, video, video_chat], [video_chat, video_box],
+                                       api_visibility="undocumented")
+        _wire_answer(asked_video, respond, video_chat, settings, video_box)
+
+        # The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask").
+        api_button.click(zero_gpu(handlers.ask), [api_text, api_files, api_settings, api_conversation],
+                         [api_reply, api_stats, api_conversation], api_name="ask", concurrency_id=MODEL_EVENTS,
+                         api_description="Ask about images or one video; streams (reply_text, stats).")
+    return demo

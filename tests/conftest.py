@@ -1,0 +1,91 @@
+"""Shared fixtures: the tiny random checkpoint, the process-wide model manager, and one live server."""
+
+import os
+import socket
+import tempfile
+
+# Before anything imports huggingface_hub or gradio: no network, no telemetry, a private checkpoint cache.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+os.environ.setdefault("MINICPMV_DEMO_CACHE", os.path.join(tempfile.gettempdir(), "minicpmv-demo-tests"))
+
+import cv2  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from app.config import AppConfig  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(ROOT, "test-artifacts")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def config() -> AppConfig:
+    return AppConfig(model="tiny-random", port=free_port(), max_new_tokens=256)
+
+
+@pytest.fixture(scope="session")
+def manager(config):
+    from app.main import load_manager
+
+    return load_manager(config)
+
+
+@pytest.fixture(scope="session")
+def server_url(config, manager):
+    from app.main import launch
+
+    demo = launch(config, manager, prevent_thread_lock=True)
+    yield demo.local_url
+    demo.close()
+
+
+@pytest.fixture
+def client(server_url):
+    from gradio_client import Client
+
+    return Client(server_url, verbose=False)
+
+
+def make_image(folder, name: str, size=(1344, 1344), color=(200, 30, 30)) -> str:
+    path = os.path.join(str(folder), name)
+    image = Image.new("RGB", size, color)
+    # A shape so that differently sized images are not just flat colour.
+    image.paste((20, 90, 200), (size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2))
+    image.save(path)
+    return path
+
+
+def make_video(folder, name: str = "clip.mp4", seconds: float = 10, fps: int = 24, size=(320, 240),
+               fourcc: str = "mp4v") -> str:
+    """A video whose frame i shows i in binary as 8 black/white stripes, so a decoded frame tells its index."""
+    path = os.path.join(str(folder), name)
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*fourcc), fps, size)
+    assert writer.isOpened()
+    stripe = size[0] // 8
+    for index in range(int(seconds * fps)):
+        frame = np.zeros((size[1], size[0], 3), np.uint8)
+        for bit in range(8):
+            if (index % 256) >> bit & 1:
+                frame[:, bit * stripe:(bit + 1) * stripe] = 255
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def frame_index(frame) -> int:
+    """Read back the index that make_video drew into a frame (modulo 256)."""
+    stripe = frame.shape[1] // 8
+    return sum(1 << bit for bit in range(8) if frame[:, bit * stripe + stripe // 4:(bit + 1) * stripe - stripe // 4].mean() > 127)
+
+
+@pytest.fixture
+def red_image(tmp_path) -> str:
+    return make_image(tmp_path, "red.png")

@@ -1,0 +1,56 @@
+"""Gradio history to model messages, settings validation, reasoning tags."""
+
+import pytest
+
+from app.chat import history_to_messages, reply_for_display, strip_reasoning
+from app.engine.settings import GenerationSettings
+from app.errors import UserError
+
+
+def file_part(path):
+    return {"type": "file", "file": {"path": path}}
+
+
+def test_history_as_gradio_sends_it():
+    history = [
+        {"role": "user", "content": [file_part("/tmp/a.png")]},
+        {"role": "user", "content": [file_part("/tmp/b.jpg")]},
+        {"role": "user", "content": [{"type": "text", "text": "Compare them."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "<think>hmm</think>\n\nThe first is red."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "640 tokens"}], "metadata": {"title": "stats"}},
+        {"role": "user", "content": [{"type": "text", "text": "And the second?"}]},
+    ]
+    assert history_to_messages(history) == [
+        {"role": "user", "content": [{"type": "image", "path": "/tmp/a.png"}, {"type": "image", "path": "/tmp/b.jpg"},
+                                     {"type": "text", "text": "Compare them."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "The first is red."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And the second?"}]},
+    ]
+
+
+def test_history_as_handlers_build_it():
+    history = [{"role": "user", "content": "Look:"}, {"role": "user", "content": {"path": "/tmp/clip.webm"}}]
+    assert history_to_messages(history) == [
+        {"role": "user", "content": [{"type": "video", "path": "/tmp/clip.webm"}, {"type": "text", "text": "Look:"}]}]
+
+
+def test_unsupported_file_in_history():
+    with pytest.raises(UserError, match="not a supported file"):
+        history_to_messages([{"role": "user", "content": {"path": "/tmp/x.exe"}}])
+
+
+def test_reasoning():
+    assert strip_reasoning("<think>a\nb</think>\n\nAnswer") == "Answer"
+    assert strip_reasoning("<think>still thinking") == ""
+    assert reply_for_display("step 1</think>done", prompt_opens_thinking=True) == "<think>step 1</think>done"
+    assert reply_for_display("done", prompt_opens_thinking=False) == "done"
+
+
+def test_settings_overrides_are_checked():
+    base = GenerationSettings()
+    assert base.with_overrides({"max_new_tokens": "32", "do_sample": "false", "top_p": 0.5}).max_new_tokens == 32
+    for bad in ({"max_new_tokens": 0}, {"max_new_tokens": 1.5}, {"temperature": -1}, {"do_sample": "maybe"},
+                {"downsample_mode": "8x"}, {"max_slice_nums": 10}, {"top_p": float("nan")}, {"video_max_frames": float("inf")},
+                {"nonsense": 1}):
+        with pytest.raises(UserError):
+            base.with_overrides(bad)
