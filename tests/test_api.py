@@ -1,0 +1,99 @@
+"""The documented /ask endpoint, driven by gradio_client against the live app with the tiny model."""
+
+import time
+
+import pytest
+from gradio_client import handle_file
+from gradio_client.exceptions import AppError
+
+from tests.conftest import make_image, make_video
+
+FIXED = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False}
+
+
+def stream(client, text, files=(), settings=None):
+    job = client.submit(text, [handle_file(path) for path in files], settings or {}, api_name="/ask")
+    updates = list(job)
+    return updates, job.result()  # raises AppError when the app refused the request
+
+
+def test_streamed_image_answer(client, red_image):
+    updates, (reply, stats) = stream(client, "What is in this picture?", [red_image], FIXED)
+    assert len(updates) >= 3  # several updates arrived before the end
+    assert stats["done"] and stats["visual_tokens"] == 640 and stats["image_tokens"] == [640]
+    assert stats["new_tokens"] == 24 and stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
+    assert reply and updates[0][0] != reply  # the reply grew
+
+
+def test_several_images_keep_their_order_and_cost(client, tmp_path):
+    paths = [make_image(tmp_path, "a.png"), make_image(tmp_path, "b.png", (448, 448)),
+             make_image(tmp_path, "c.png", (1920, 1080))]
+    _, (_, stats) = stream(client, "Compare these.", paths, FIXED)
+    assert stats["image_tokens"] == [640, 64, 578]
+    assert stats["visual_tokens"] == 640 + 64 + 578
+
+
+def test_budget_lowers_slices_and_says_so(client, tmp_path):
+    paths = [make_image(tmp_path, f"{i}.png") for i in range(5)]
+    _, (_, stats) = stream(client, "Compare these.", paths, FIXED)
+    assert stats["image_tokens"] == [484] * 5
+    assert any("lowered from 9 to 7" in notice for notice in stats["notices"])
+
+
+def test_video(client, tmp_path):
+    path = make_video(tmp_path, seconds=6, fps=12, size=(448, 448))
+    _, (_, stats) = stream(client, "What happens?", [path], {**FIXED, "video_fps": 1, "video_max_frames": 4})
+    assert stats["video_frames"] == 4 and stats["video_tokens"] == 4 * 64 and stats["visual_tokens"] == 256
+
+
+def test_follow_up_keeps_the_image_in_the_conversation(client, red_image):
+    _, (first, first_stats) = stream(client, "What colour is it?", [red_image], FIXED)
+    _, (_, stats) = stream(client, "Are you sure?", [], {**FIXED, "follow_up": True})
+    assert stats["visual_tokens"] == 640  # the image of the first turn is still in the prompt
+    assert stats["prompt_tokens"] > first_stats["prompt_tokens"] + first_stats["new_tokens"]
+    _, (_, fresh) = stream(client, "Are you sure?", [], FIXED)  # without follow_up: a new conversation
+    assert fresh["visual_tokens"] == 0
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("broken.jpg", b"\x00\x01 definitely not a jpeg", "could not be read as an image"),
+    ("empty.png", b"", "could not be read as an image"),
+    ("notes.mp4", b"plain text, not a video", "could not be decoded"),
+    ("script.sh", b"echo hi", "not a supported file"),
+])
+def test_bad_file_then_good_request(client, tmp_path, red_image, name, content, message):
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    with pytest.raises(AppError, match=message):
+        stream(client, "What is this?", [str(bad)], FIXED)
+    _, (_, stats) = stream(client, "What is this?", [red_image], FIXED)
+    assert stats["visual_tokens"] == 640
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"temperature": -1}, "temperature"), ({"max_slice_nums": 12}, "max_slice_nums"), ({"colour": "red"}, "Unknown setting"),
+])
+def test_bad_settings_are_refused(client, settings, message):
+    with pytest.raises(AppError, match=message):
+        stream(client, "Hello", [], settings)
+
+
+def test_empty_request_is_refused(client):
+    with pytest.raises(AppError, match="Type a question"):
+        stream(client, "   ", [], {})
+
+
+def test_cancel_stops_generate_itself(client, manager, red_image):
+    job = client.submit("Describe it at length.", [handle_file(red_image)],
+                        {"max_new_tokens": 4000, "min_new_tokens": 4000}, api_name="/ask")
+    deadline = time.monotonic() + 60
+    while len(job.outputs()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(job.outputs()) >= 3 and manager.active_workers == 1
+    job.cancel()
+    deadline = time.monotonic() + 10
+    while manager.active_workers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.active_workers == 0  # the generate() thread itself ended, long before 4000 tokens
+    _, (_, stats) = stream(client, "Still there?", [], FIXED)
+    assert stats["new_tokens"] == 24

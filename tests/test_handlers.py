@@ -1,0 +1,103 @@
+"""UI handlers called directly, without a server: history in, history out."""
+
+import gradio as gr
+import pytest
+
+from app.ui.handlers import SETTING_KEYS, Handlers
+from tests.conftest import make_image
+
+
+@pytest.fixture
+def handlers(manager):
+    return Handlers(manager)
+
+
+def settings_values(manager, **overrides):
+    values = {**manager.default_settings().as_dict(), "max_new_tokens": 12, "min_new_tokens": 12, **overrides}
+    return [values[key] for key in SETTING_KEYS]
+
+
+def run(handlers, manager, history, **overrides):
+    updates = list(handlers.respond(history, *settings_values(manager, **overrides)))
+    return updates, updates[-1]
+
+
+def test_chat_turn_streams_then_adds_stats(handlers, manager, red_image):
+    history, box, camera = handlers.add_chat_message({"text": "What is it?", "files": [red_image]}, None, [])
+    assert box is None and camera is None
+    assert [m["role"] for m in history] == ["user", "user"]
+    updates, final = run(handlers, manager, history)
+    assert len(updates) >= 3
+    reply, stats = final[-2], final[-1]
+    assert reply["role"] == "assistant" and reply["content"]
+    assert stats["metadata"]["title"].startswith("640 visual tokens")
+    assert "Images: #1 640 tokens." in stats["content"]
+
+
+def test_text_only_follow_up_keeps_the_image(handlers, manager, red_image):
+    history, _, _ = handlers.add_chat_message({"text": "What is it?", "files": [red_image]}, None, [])
+    _, history = run(handlers, manager, history)
+    history, _, _ = handlers.add_chat_message({"text": "Sure?", "files": []}, None, history)
+    _, history = run(handlers, manager, history)
+    assert history[-1]["metadata"]["title"].startswith("640 visual tokens")
+
+
+def test_camera_photo_is_attached(handlers, tmp_path):
+    photo = make_image(tmp_path, "camera.png", (640, 480))
+    history, _, _ = handlers.add_chat_message({"text": "Hi", "files": []}, photo, [])
+    assert history[0]["content"] == {"path": photo}
+
+
+def test_bad_upload_is_refused_before_the_model(handlers, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    with pytest.raises(gr.Error, match="could not be read"):
+        handlers.add_chat_message({"text": "What?", "files": [str(broken)]}, None, [])
+    with pytest.raises(gr.Error, match="Type a question"):
+        handlers.add_chat_message({"text": " ", "files": []}, None, [])
+
+
+def test_failed_turn_is_removed_and_explained(handlers, manager, red_image, tmp_path):
+    _, good = run(handlers, manager, [{"role": "user", "content": {"path": red_image}}, {"role": "user", "content": "Hi"}])
+    broken = tmp_path / "vanished.png"
+    broken.write_bytes(b"garbage")
+    history = good + [{"role": "user", "content": {"path": str(broken)}}, {"role": "user", "content": "And this?"}]
+    _, final = run(handlers, manager, history)
+    assert final[: len(good)] == good  # the earlier conversation is intact
+    assert final[-1]["metadata"]["title"].startswith("⚠️") and len(final) == len(good) + 1
+    _, after = run(handlers, manager, final + [{"role": "user", "content": "Next question"}])
+    assert after[-1]["metadata"]["title"].startswith("640 visual tokens")  # the conversation goes on
+
+
+def test_retry_and_undo(handlers, manager, red_image):
+    history = [{"role": "user", "content": {"path": red_image}}, {"role": "user", "content": "First"}]
+    _, history = run(handlers, manager, history)
+    history = history + [{"role": "user", "content": "Second"}]
+    _, history = run(handlers, manager, history)
+    # image, "First", reply, stats, "Second", reply, stats
+    assert [m["role"] for m in history] == ["user", "user", "assistant", "assistant", "user", "assistant", "assistant"]
+    retried = handlers.retry(history, gr.RetryData(None, {"index": 4, "value": "Second"}))
+    assert retried == history[:5] and retried[-1]["content"] == "Second"
+    kept, box = handlers.undo(history, gr.UndoData(None, {"index": 4, "value": "Second"}))
+    assert kept == history[:4] and box == {"text": "Second", "files": []}
+    kept, box = handlers.undo(history[:4], gr.UndoData(None, {"index": 1, "value": "First"}))
+    assert kept == [] and box == {"text": "First", "files": [red_image]}
+
+
+def test_multi_image_order_costs_and_questions(handlers, manager, tmp_path):
+    paths = [make_image(tmp_path, f"{name}.png", size) for name, size in (("a", (1344, 1344)), ("b", (448, 448)), ("c", (1920, 1080)))]
+    gallery = [(path, None) for path in paths]
+    moved, selected = Handlers.move_image(gallery, 2, -1)
+    assert moved == [paths[0], paths[2], paths[1]] and selected == 1
+    removed, selected = Handlers.remove_image(moved, 0)
+    assert removed == [paths[2], paths[1]] and selected is None
+    costs = handlers.image_costs(moved, *settings_values(manager))
+    assert "| 1 | a.png | 640 |" in costs and "| 2 | c.png | 578 |" in costs and "| 3 | b.png | 64 |" in costs
+    history, box = handlers.add_multi_image_question("What changed?", moved, [])
+    assert [m["content"] for m in history] == [{"path": paths[0]}, {"path": paths[2]}, {"path": paths[1]}, "What changed?"]
+    _, history = run(handlers, manager, history)
+    assert "Images: #1 640, #2 578, #3 64 tokens." in history[-1]["content"]
+    history, _ = handlers.add_multi_image_question("And now?", moved, history)
+    assert history[-1] == {"role": "user", "content": "And now?"}  # follow-up: images are not attached twice
+    with pytest.raises(gr.Error, match="Add at least one image"):
+        handlers.add_multi_image_question("Hi", [], [])

@@ -1,0 +1,64 @@
+"""Starting the app as a user does: python app.py, from a subprocess."""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tests.conftest import ROOT, free_port
+
+
+def run_app(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "app.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_help_documents_every_option():
+    result = run_app("--help")
+    assert result.returncode == 0
+    for option in ("--model", "--device", "--dtype", "--attn-implementation", "--host", "--port", "--share",
+                   "--max-new-tokens", "--visual-token-budget", "--queue-size", "MINICPMV_MODEL", "tiny-random"):
+        assert option in result.stdout
+
+
+def test_missing_model_offline_is_one_clear_line(tmp_path):
+    started = time.monotonic()
+    result = run_app("--model", "openbmb/MiniCPM-V-4.6", env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "tiny-random" in error_lines[0] and "local" in error_lines[0]
+    assert time.monotonic() - started < 60
+
+
+def test_unreachable_hub_fails_fast(tmp_path):
+    env = {"HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    result = run_app("--model", "openbmb/MiniCPM-V-4.6", env=env)
+    assert result.returncode == 2 and "unreachable" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_start_from_environment_with_share_keeps_serving_locally(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "app.log"
+    env = {**os.environ, "MINICPMV_MODEL": "tiny-random", "GRADIO_SERVER_PORT": str(port), "MINICPMV_SHARE": "1"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline and status != 200:
+            assert process.poll() is None, log_path.read_text()
+            try:
+                status = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).status
+            except OSError:
+                time.sleep(1)
+        assert status == 200, log_path.read_text()
+        time.sleep(3)  # give the share attempt time to finish
+        output = log_path.read_text()
+        assert "Warm-up took" in output and "reachable by anyone" in output
+        assert "Could not create share link" in output or "public URL" in output
+        assert process.poll() is None  # still serving
+    finally:
+        process.terminate()
+        process.wait(30)
