@@ -6,6 +6,7 @@ import sys
 from app.config import AppConfig, parse_config
 from app.engine.loader import ModelUnavailable
 from app.engine.manager import ModelManager, get_manager
+from app.zerogpu import on_zero_gpu
 
 log = logging.getLogger("app")
 
@@ -15,7 +16,7 @@ def load_manager(config: AppConfig) -> ModelManager:
     if not manager.loaded:
         manager.load()
         if config.warmup:
-            manager.warm_up()
+            on_zero_gpu(manager.warm_up)()
     return manager
 
 

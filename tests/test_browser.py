@@ -30,9 +30,8 @@ def page(server_url):
         browser.close()
 
 
-def bot_text(page) -> str:
-    messages = page.locator(".message.bot, [data-testid='bot']")
-    return messages.first.inner_text() if messages.count() else ""
+def chat_text(page) -> str:
+    return page.locator("#chat").inner_text()
 
 
 def test_chat_with_an_image_streams_a_reply(page, red_image):
@@ -45,12 +44,42 @@ def test_chat_with_an_image_streams_a_reply(page, red_image):
     lengths = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        lengths.append(len(bot_text(page)))
+        lengths.append(len(chat_text(page)))
         if page.get_by_text(STATS_LINE).count():
             break
         time.sleep(0.05)
     page.screenshot(path=os.path.join(ARTIFACTS, "chat.png"), full_page=True)
-    growing = sorted(set(length for length in lengths if length))
-    assert len(growing) >= 3, lengths  # the reply was seen at several lengths while it streamed
+    growing = sorted(set(lengths))
+    assert len(growing) >= 4, lengths  # the reply was seen at several lengths while it streamed
     assert page.get_by_text(STATS_LINE).inner_text().startswith("640 visual tokens")
     assert page.locator("img[src*='red']").count() >= 1  # the attached image is shown in the chat
+
+
+def test_stop_button_halts_generation(page, manager):
+    # A reply long enough to be stopped mid-way, set as a user would: in the settings sidebar.
+    page.locator(".sidebar .toggle-button").first.click()
+    max_new_tokens = page.get_by_label("number input for Max new tokens")
+    max_new_tokens.fill("4000")
+    max_new_tokens.press("Enter")
+    stats_lines = page.get_by_text(STATS_LINE).count()
+    question = "Tell me a very long story."
+    before = len(chat_text(page))
+    page.locator("#chat-input textarea").fill(question)
+    page.locator("#chat-input textarea").press("Enter")
+    deadline = time.monotonic() + 30
+    while manager.active_workers == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    page.wait_for_timeout(700)  # part of the reply has streamed to the page
+    assert manager.active_workers == 1
+    page.locator("#chat-input .stop-button").click()
+    deadline = time.monotonic() + 10
+    while manager.active_workers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.active_workers == 0  # generate() itself ended, not only the page's loop
+    page.wait_for_timeout(1000)
+    assert page.get_by_text(STATS_LINE).count() == stats_lines  # a stopped reply never finished
+    stopped_at = len(chat_text(page))
+    assert stopped_at > before + len(question)  # what had streamed stays on the page
+    page.wait_for_timeout(500)
+    assert len(chat_text(page)) == stopped_at  # and nothing more arrives
+    page.screenshot(path=os.path.join(ARTIFACTS, "stopped.png"), full_page=True)

@@ -101,3 +101,11 @@ def test_multi_image_order_costs_and_questions(handlers, manager, tmp_path):
     assert history[-1] == {"role": "user", "content": "And now?"}  # follow-up: images are not attached twice
     with pytest.raises(gr.Error, match="Add at least one image"):
         handlers.add_multi_image_question("Hi", [], [])
+
+
+def test_thinking_renders_as_a_reasoning_block(handlers, manager, red_image):
+    history = [{"role": "user", "content": {"path": red_image}}, {"role": "user", "content": "Think first."}]
+    _, final = run(handlers, manager, history, enable_thinking=True)
+    assert final[-2]["content"].startswith("<think>")  # the template opened the block; the display shows it
+    _, final = run(handlers, manager, history, enable_thinking=False)
+    assert not final[-2]["content"].startswith("<think>")

@@ -45,6 +45,7 @@ class ModelInfo:
     weight_bytes: int
     random_weights: bool
     warmup_s: float | None
+    gpu_memory_bytes: int | None
 
 
 def _streamer_class():
@@ -130,6 +131,7 @@ class ModelManager:
             name=self.source.name, path=self.source.path, model_type=self.model.config.model_type,
             device=str(self.device), dtype=str(self.model.dtype).replace("torch.", ""), parameters=parameters,
             weight_bytes=weight_bytes, random_weights=self.source.random_weights, warmup_s=self.warmup_s,
+            gpu_memory_bytes=self.gpu_memory_bytes(),
         )
 
     def gpu_memory_bytes(self) -> int | None:

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 # Bump when the checkpoint's contents change, so stale caches are rebuilt rather than reused.
-TINY_RANDOM_VERSION = "v1"
+TINY_RANDOM_VERSION = "v2"
 
 PROCESSOR_TOKENS = {
     "image_token": "<|image_pad|>",
@@ -139,6 +139,10 @@ def _build_checkpoint(folder: str) -> None:
     torch.manual_seed(0)
     model = MiniCPMV4_6ForConditionalGeneration(config)
     end_ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
+    # Zero output rows make the end tokens' logits 0 among ~1,000 random ones, so replies rarely end
+    # early and run to max_new_tokens, as long answers do (tests of streaming and Stop need them).
+    with torch.no_grad():
+        model.get_output_embeddings().weight[end_ids] = 0
     model.generation_config = GenerationConfig(
         eos_token_id=end_ids, pad_token_id=end_ids[1], do_sample=True, temperature=0.7, top_p=1.0, top_k=0
     )

@@ -5,6 +5,7 @@ and `plan_images()`.
 """
 
 import os
+from contextlib import closing
 
 import gradio as gr
 
@@ -84,11 +85,13 @@ class Handlers:
             settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
             messages = history_to_messages(history)
             history.append({"role": "assistant", "content": ""})
-            for update in self.manager.stream(messages, settings):
-                history[-1] = {"role": "assistant", "content": reply_for_display(update.text, update.opens_thinking)}
-                if update.stats is not None:
-                    history.append(stats_message(update.stats, update.notices))
-                yield history
+            # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup stops generate().
+            with closing(self.manager.stream(messages, settings)) as updates:
+                for update in updates:
+                    history[-1] = {"role": "assistant", "content": reply_for_display(update.text, update.opens_thinking)}
+                    if update.stats is not None:
+                        history.append(stats_message(update.stats, update.notices))
+                    yield history
         except UserError as error:
             gr.Warning(str(error))
             yield _without_last_turn(history) + [error_message(str(error))]
@@ -226,10 +229,11 @@ class Handlers:
             messages = list(conversation or []) if follow_up else []
             messages.append({"role": "user", "content": user_content(text, paths)})
             reply = ""
-            for update in self.manager.stream(messages, generation_settings):
-                reply = reply_for_display(update.text, update.opens_thinking)
-                if update.stats is None:
-                    yield reply, {"done": False}, gr.skip()
+            with closing(self.manager.stream(messages, generation_settings)) as updates:
+                for update in updates:
+                    reply = reply_for_display(update.text, update.opens_thinking)
+                    if update.stats is None:
+                        yield reply, {"done": False}, gr.skip()
             answer = {"role": "assistant", "content": [{"type": "text", "text": strip_reasoning(reply)}]}
             yield reply, {"done": True, **update.stats, "notices": update.notices}, messages + [answer]
         except UserError as error:

@@ -7,6 +7,7 @@ import gradio as gr
 from app import limits
 from app.chat import THINK_CLOSE, THINK_OPEN
 from app.ui.handlers import SETTING_KEYS, Handlers
+from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
 EXAMPLES = os.path.join(ASSETS, "examples")
@@ -14,20 +15,12 @@ CSS_PATH = os.path.join(ASSETS, "style.css")
 MODEL_EVENTS = "model"  # one concurrency group: every event that generates waits for the same model
 
 
-def zero_gpu(function):
-    """On Hugging Face ZeroGPU, the whole streaming generator must run under spaces.GPU; elsewhere, unchanged."""
-    if not os.environ.get("SPACES_ZERO_GPU"):
-        return function
-    import spaces
-
-    return spaces.GPU(function)
-
-
 def model_header(info) -> str:
     memory = f"{info.weight_bytes / 2**30:.2f} GiB" if info.weight_bytes >= 2**30 else f"{info.weight_bytes / 2**20:.1f} MiB"
     warmup = f" · warm-up {info.warmup_s:.2f} s" if info.warmup_s is not None else ""
+    gpu = f" · {info.gpu_memory_bytes / 2**30:.2f} GiB of GPU memory in use" if info.gpu_memory_bytes is not None else ""
     return (f"# MiniCPM-V\nModel **{info.name}** (`{info.model_type}`) on **{info.device}** · {info.dtype} · "
-            f"{info.parameters / 1e6:,.2f} M parameters · {memory} of weights{warmup}")
+            f"{info.parameters / 1e6:,.2f} M parameters · {memory} of weights{gpu}{warmup}")
 
 
 def _settings_sidebar(defaults) -> dict:
@@ -66,9 +59,9 @@ def _video_controls(defaults) -> dict:
         }
 
 
-def _chatbot(label: str, placeholder: str) -> gr.Chatbot:
+def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
     return gr.Chatbot(label=label, height=480, placeholder=placeholder, reasoning_tags=[(THINK_OPEN, THINK_CLOSE)],
-                      buttons=["copy", "copy_all"], feedback_options=None)
+                      buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id)
 
 
 def _wire_answer(trigger, respond, chatbot, settings, stop_target):
@@ -83,7 +76,7 @@ def build_demo(manager) -> gr.Blocks:
     handlers = Handlers(manager)
     defaults = manager.default_settings()
     info = manager.info()
-    respond = zero_gpu(handlers.respond)
+    respond = on_zero_gpu(handlers.respond)
 
     with gr.Blocks(title="MiniCPM-V demo") as demo:
         gr.Markdown(model_header(info), elem_id="model-header")
@@ -93,7 +86,7 @@ def build_demo(manager) -> gr.Blocks:
 
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
-                chat = _chatbot("Chat", "Ask anything, or attach photos (upload, paste, or the camera below).")
+                chat = _chatbot("Chat", "Ask anything, or attach photos (upload, paste, or the camera below).", "chat")
                 chat_box = gr.MultimodalTextbox(
                     file_count="multiple", file_types=list(limits.IMAGE_EXTENSIONS), sources=["upload"],
                     placeholder="Message MiniCPM-V… (attach or paste images)", stop_btn=True, autofocus=True,
@@ -116,7 +109,8 @@ def build_demo(manager) -> gr.Blocks:
                     later = gr.Button("Move later ▶", size="sm")
                     remove = gr.Button("✕ Remove", size="sm")
                 costs = gr.Markdown(handlers.image_costs(None))
-                multi_chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.")
+                multi_chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",
+                                      "multi-chat")
                 multi_box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True, stop_btn=True,
                                        show_label=False, elem_id="multi-input")
                 gr.Examples(
@@ -129,18 +123,18 @@ def build_demo(manager) -> gr.Blocks:
                 video = gr.Video(sources=["upload"], label="Video", height=320)
                 video_settings = _video_controls(defaults)
                 video_info = gr.Markdown(handlers.video_summary(None, defaults.video_fps, defaults.video_max_frames))
-                video_chat = _chatbot("Conversation about the video", "Ask what happens in the video.")
+                video_chat = _chatbot("Conversation about the video", "Ask what happens in the video.", "video-chat")
                 video_box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True, stop_btn=True,
                                        show_label=False, elem_id="video-input")
                 gr.Examples(examples=[[os.path.join(EXAMPLES, "ball.webm"), "Describe what happens in this video."]],
                             inputs=[video, video_box], label="Examples")
 
         with gr.Row(visible=False):
-            api_text = gr.Textbox()
-            api_files = gr.File(file_count="multiple", type="filepath")
-            api_settings = gr.JSON()
-            api_reply = gr.Textbox()
-            api_stats = gr.JSON()
+            api_text = gr.Textbox(label="text")
+            api_files = gr.File(file_count="multiple", type="filepath", label="files")
+            api_settings = gr.JSON(label="settings")
+            api_reply = gr.Textbox(label="reply_text")
+            api_stats = gr.JSON(label="stats")
             api_button = gr.Button()
         api_conversation = gr.State([])
 
@@ -182,7 +176,7 @@ def build_demo(manager) -> gr.Blocks:
         _wire_answer(asked_video, respond, video_chat, settings, video_box)
 
         # The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask").
-        api_button.click(zero_gpu(handlers.ask), [api_text, api_files, api_settings, api_conversation],
+        api_button.click(on_zero_gpu(handlers.ask), [api_text, api_files, api_settings, api_conversation],
                          [api_reply, api_stats, api_conversation], api_name="ask", concurrency_id=MODEL_EVENTS,
                          api_description="Ask about images or one video; streams (reply_text, stats).")
     return demo
