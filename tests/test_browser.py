@@ -67,15 +67,15 @@ def test_stop_button_halts_generation(page, manager):
     page.locator("#chat-input textarea").fill(question)
     page.locator("#chat-input textarea").press("Enter")
     deadline = time.monotonic() + 30
-    while manager.active_workers == 0 and time.monotonic() < deadline:
+    while manager.active_generations == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     page.wait_for_timeout(700)  # part of the reply has streamed to the page
-    assert manager.active_workers == 1
+    assert manager.active_generations == 1
     page.locator("#chat-input .stop-button").click()
     deadline = time.monotonic() + 10
-    while manager.active_workers and time.monotonic() < deadline:
+    while manager.active_generations and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert manager.active_workers == 0  # generate() itself ended, not only the page's loop
+    assert manager.active_generations == 0  # generate() itself ended, not only the page's loop
     page.wait_for_timeout(1000)
     assert page.get_by_text(STATS_LINE).count() == stats_lines  # a stopped reply never finished
     stopped_at = len(chat_text(page))

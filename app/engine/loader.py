@@ -42,7 +42,7 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
 
 def resolve_model(name: str) -> ModelSource:
     if name == TINY_RANDOM:
-        from app.engine.tiny_random import ensure_tiny_checkpoint
+        from app.engine.random_checkpoint import ensure_tiny_checkpoint
 
         return ModelSource(name=name, path=ensure_tiny_checkpoint(), random_weights=True)
     if os.path.isdir(name):

@@ -1,12 +1,14 @@
 """The model manager: one per process, owns the model and processor, and runs every request.
 
 A request's lifecycle: prepare inputs on the calling thread (CPU work, no lock), wait for the GPU
-lock, run `generate()` on a worker thread feeding a streamer, yield text as it arrives, release.
+lock, hand `generate()` to the manager's one generation thread, which feeds a streamer, yield text as
+it arrives, release.
 Closing the stream at any point (user pressed Stop, client went away) sets the request's stop event,
 which a StoppingCriteria reads at every decode step, so `generate()` itself ends within one step.
 """
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,6 +82,33 @@ def _stop_criteria(stop_event: threading.Event):
     return StoppingCriteriaList([StopOnEvent()])
 
 
+class _GenerationThread:
+    """One long-lived thread runs every generate() call.
+
+    CUDA libraries keep per-thread state (cuDNN attention graphs, library handles): a fresh thread per
+    request rebuilt it for every new sequence length and decoded about 2x slower on an H200
+    (benchmarks/RESULTS.md).
+    """
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> threading.Event:
+        done = threading.Event()
+        self._jobs.put((job, done))
+        return done
+
+    def _serve(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                job()
+            finally:
+                done.set()
+
+
 class ModelManager:
     def __init__(self, config: AppConfig):
         self.config = config
@@ -89,8 +118,8 @@ class ModelManager:
         self.device = None
         self.warmup_s = None
         self._gpu_lock = threading.Lock()
-        self._workers_lock = threading.Lock()
-        self._workers: set[threading.Thread] = set()
+        self._generation_thread: _GenerationThread | None = None
+        self._running = 0  # generate() calls in progress
 
     # Loading ---------------------------------------------------------------------------------------
 
@@ -160,10 +189,9 @@ class ModelManager:
         return min(limits.MAX_CONTEXT_TOKENS, getattr(text_config, "max_position_embeddings", limits.MAX_CONTEXT_TOKENS))
 
     @property
-    def active_workers(self) -> int:
-        """Generation threads still running: zero once every request has left the GPU."""
-        with self._workers_lock:
-            return sum(worker.is_alive() for worker in self._workers)
+    def active_generations(self) -> int:
+        """generate() calls still running: zero once every request has left the GPU."""
+        return self._running
 
     # Serving ---------------------------------------------------------------------------------------
 
@@ -208,20 +236,21 @@ class ModelManager:
         kwargs = self._generate_kwargs(prepared, settings, streamer, stop_event)
 
         def run_generate():
+            self._running += 1
             try:
                 with torch.inference_mode():
                     self.model.generate(**kwargs)
             except BaseException as error:  # reported to the waiting request below
                 failure.append(error)
             finally:
+                self._running -= 1
                 streamer.end()
 
         with self._gpu_lock:
             started_at = time.perf_counter()
-            worker = threading.Thread(target=run_generate, name="generate", daemon=True)
-            with self._workers_lock:
-                self._workers = {w for w in self._workers if w.is_alive()} | {worker}
-            worker.start()
+            if self._generation_thread is None:
+                self._generation_thread = _GenerationThread()
+            done = self._generation_thread.submit(run_generate)
             text = ""
             try:
                 for chunk in streamer:
@@ -229,8 +258,7 @@ class ModelManager:
                     yield ReplyUpdate(text=text, notices=prepared.notices, opens_thinking=prepared.opens_thinking)
             finally:
                 stop_event.set()
-                worker.join(limits.WORKER_JOIN_TIMEOUT_S)
-                if worker.is_alive():
+                if not done.wait(limits.WORKER_JOIN_TIMEOUT_S):
                     log.error("generate() did not stop within %.0f s", limits.WORKER_JOIN_TIMEOUT_S)
         finished_at = time.perf_counter()
         if failure:

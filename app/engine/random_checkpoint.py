@@ -1,6 +1,8 @@
-"""Builds a tiny random-weight MiniCPM-V 4.6 checkpoint offline, complete enough to load like a real one.
+"""Builds random-weight MiniCPM-V 4.6 checkpoints offline, complete enough to load like a real one.
 
-It has what a real checkpoint has: a byte-level BPE tokenizer carrying the processor's special tokens,
+`ensure_tiny_checkpoint` makes the tiny one behind `--model tiny-random` (tests, trying the UI);
+`build_random_checkpoint` takes any config, such as the real 4.6 shape for benchmarks.
+Each has what a real checkpoint has: a byte-level BPE tokenizer carrying the processor's special tokens,
 a Qwen-style chat template with image/video parts and `enable_thinking`, a config of the real
 architecture (SigLIP-style vision tower with the window merger, Qwen3.5 text with one linear-attention
 and one full-attention layer), image and video processors at their real defaults, and a
@@ -12,7 +14,7 @@ import shutil
 import tempfile
 
 # Bump when the checkpoint's contents change, so stale caches are rebuilt rather than reused.
-TINY_RANDOM_VERSION = "v2"
+TINY_RANDOM_VERSION = "v3"
 
 PROCESSOR_TOKENS = {
     "image_token": "<|image_pad|>",
@@ -56,7 +58,7 @@ _TRAINING_TEXT = [
 ]
 
 
-def _build_tokenizer():
+def _build_tokenizer(vocab_size: int | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -70,6 +72,9 @@ def _build_tokenizer():
     )
     bpe.train_from_iterator(_TRAINING_TEXT * 4, trainer)
     bpe.add_tokens(THINK_TOKENS)
+    if vocab_size is not None and vocab_size > bpe.get_vocab_size():
+        # Fill a large model's vocabulary, so that every id it can generate decodes to something.
+        bpe.add_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - bpe.get_vocab_size())])
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
@@ -78,7 +83,48 @@ def _build_tokenizer():
     )
 
 
-def _build_checkpoint(folder: str) -> None:
+TINY_TEXT_CONFIG = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_conv_kernel_dim": 4,
+    "attn_output_gate": True,
+    "max_position_embeddings": 65536,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": True,
+    # Larger than the usual 0.02 so that greedy replies depend on the prompt and image (at 0.02 a
+    # random model repeats one token whatever it is shown), which isolation tests need.
+    "initializer_range": 0.3,
+}
+# patch_size 14 must match the processor; 980 px gives the real 70x70 position table.
+TINY_VISION_CONFIG = {
+    "model_type": "minicpmv4_6_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "patch_size": 14,
+    "image_size": 980,
+}
+TINY_CONFIG = {"text_config": TINY_TEXT_CONFIG, "vision_config": TINY_VISION_CONFIG, "insert_layer_id": 1,
+               "image_size": 1120, "tie_word_embeddings": True}
+
+
+def build_random_checkpoint(folder: str, config: dict, dtype=None, device: str | None = None) -> None:
+    """Save a random-weight checkpoint with this config (a config.json's contents) and a matching processor.
+
+    The vocabulary grows to the config's `vocab_size` (or the config takes the tokenizer's size if it has
+    none), and the image/video token ids are the tokenizer's.
+    """
     import torch
     from transformers import GenerationConfig, MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
     from transformers.models.minicpmv4_6 import (
@@ -87,59 +133,25 @@ def _build_checkpoint(folder: str) -> None:
         MiniCPMV4_6VideoProcessor,
     )
 
-    tokenizer = _build_tokenizer()
+    text_config = dict(config["text_config"])
+    tokenizer = _build_tokenizer(text_config.get("vocab_size"))
+    text_config["vocab_size"] = len(tokenizer)
     processor = MiniCPMV4_6Processor(
         image_processor=MiniCPMV4_6ImageProcessor(),
         video_processor=MiniCPMV4_6VideoProcessor(),
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
-    text_config = {
-        "model_type": "qwen3_5_text",
-        "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"],
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 2,
-        "linear_conv_kernel_dim": 4,
-        "attn_output_gate": True,
-        "max_position_embeddings": 65536,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": True,
-        # Larger than the usual 0.02 so that greedy replies depend on the prompt and image (at 0.02 a
-        # random model repeats one token whatever it is shown), which isolation tests need.
-        "initializer_range": 0.3,
-    }
-    # patch_size 14 must match the processor; 980 px gives the real 70x70 position table.
-    vision_config = {
-        "model_type": "minicpmv4_6_vision",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "patch_size": 14,
-        "image_size": 980,
-    }
-    config = MiniCPMV4_6Config(
-        text_config=text_config,
-        vision_config=vision_config,
-        insert_layer_id=1,
-        image_size=1120,
-        image_token_id=tokenizer.image_token_id,
-        video_token_id=tokenizer.video_token_id,
-        tie_word_embeddings=True,
-    )
+    settings = {key: value for key, value in config.items()
+                if key not in ("text_config", "architectures", "model_type", "transformers_version")}
+    settings.update(text_config=text_config, image_token_id=tokenizer.image_token_id,
+                    video_token_id=tokenizer.video_token_id)
+    model_config = MiniCPMV4_6Config(**settings)
     torch.manual_seed(0)
-    model = MiniCPMV4_6ForConditionalGeneration(config)
+    with torch.device(device or "cpu"):
+        model = MiniCPMV4_6ForConditionalGeneration._from_config(model_config, dtype=dtype)
     end_ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
-    # Zero output rows make the end tokens' logits 0 among ~1,000 random ones, so replies rarely end
+    # Zero output rows make the end tokens' logits 0 among many random ones, so replies rarely end
     # early and run to max_new_tokens, as long answers do (tests of streaming and Stop need them).
     with torch.no_grad():
         model.get_output_embeddings().weight[end_ids] = 0
@@ -163,7 +175,7 @@ def ensure_tiny_checkpoint(cache_dir: str | None = None) -> str:
     os.makedirs(cache_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".building-", dir=cache_dir)
     try:
-        _build_checkpoint(staging)
+        build_random_checkpoint(staging, TINY_CONFIG)
         try:
             os.rename(staging, folder)
         except OSError:
