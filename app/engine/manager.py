@@ -7,6 +7,7 @@ Closing the stream at any point (user pressed Stop, client went away) sets the r
 which a StoppingCriteria reads at every decode step, so `generate()` itself ends within one step.
 """
 
+import functools
 import logging
 import queue
 import threading
@@ -50,6 +51,7 @@ class ModelInfo:
     gpu_memory_bytes: int | None
 
 
+@functools.cache
 def _streamer_class():
     from transformers import TextIteratorStreamer
 
