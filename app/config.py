@@ -23,6 +23,14 @@ class AppConfig:
     visual_token_budget: int = limits.DEFAULT_VISUAL_TOKEN_BUDGET
     queue_size: int = limits.DEFAULT_QUEUE_SIZE
     warmup: bool = True
+    auth: str | None = None  # "user:password"
+    trust_remote_code: bool = False
+
+    def auth_pair(self) -> tuple[str, str] | None:
+        if not self.auth:
+            return None
+        user, _, password = self.auth.partition(":")
+        return user, password
 
 
 # (flag, field, environment variable, type, help)
@@ -58,11 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(flag, dest=field, type=kind, default=default, help=f"{help_text} [env {env}]")
     parser.add_argument("--share", action="store_true", default=_env_flag("MINICPMV_SHARE"),
                         help="Also serve through a public Gradio share link. [env MINICPMV_SHARE]")
+    parser.add_argument("--auth", default=os.environ.get("MINICPMV_AUTH") or None, metavar="USER:PASSWORD",
+                        help="Ask for this user name and password on the page and the API. [env MINICPMV_AUTH]")
+    parser.add_argument("--trust-remote-code", action="store_true", default=_env_flag("MINICPMV_TRUST_REMOTE_CODE"),
+                        help="Allow a checkpoint to run its own Python code. Off unless you trust its author. "
+                             "[env MINICPMV_TRUST_REMOTE_CODE]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
                         help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")
     return parser
 
 
 def parse_config(argv: list[str] | None = None) -> AppConfig:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.auth is not None and (":" not in args.auth or not all(args.auth.partition(":")[::2])):
+        parser.error("--auth takes USER:PASSWORD, both non-empty")
     return AppConfig(**vars(args))

@@ -1,34 +1,48 @@
-"""Every limit of the demo and every message a user can see, in one place."""
+"""Every limit of the demo and every message a user can see, in one place.
+
+Each limit can be changed without code through the environment variable named beside it.
+"""
+
+import os
+
+
+def _limit(name: str, default):
+    """The limit `default`, or the MINICPMV_<name> environment variable when set."""
+    value = os.environ.get(f"MINICPMV_{name}")
+    return type(default)(value) if value not in (None, "") else default
+
 
 # Uploads.
+MAX_UPLOAD_MB = _limit("MAX_UPLOAD_MB", 200)  # any one file; Gradio refuses larger uploads before they land
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".avi", ".mkv")
-MAX_IMAGES_PER_REQUEST = 16
+MAX_IMAGES_PER_REQUEST = _limit("MAX_IMAGES_PER_REQUEST", 16)
 # PIL's own bomb guard only warns below 2x this; we refuse anything above it before decoding pixels.
-MAX_IMAGE_PIXELS = 64_000_000
+MAX_IMAGE_PIXELS = _limit("MAX_IMAGE_PIXELS", 64_000_000)
 
 # Visual token budget (MiniCPM-V slicing: a 448-px source view plus up to 9 slices of 64 tokens each).
 DEFAULT_MAX_SLICE_NUMS = 9
 MAX_SLICE_NUMS = 9
 DEFAULT_VISUAL_TOKEN_BUDGET = 2560
-MAX_VISUAL_TOKEN_BUDGET = 16384
+MAX_VISUAL_TOKEN_BUDGET = _limit("MAX_VISUAL_TOKEN_BUDGET", 16384)
 DOWNSAMPLE_MODES = ("16x", "4x")
 
 # Video sampling.
 DEFAULT_VIDEO_FPS = 1.0
-MAX_VIDEO_FPS = 10.0
+MAX_VIDEO_FPS = _limit("MAX_VIDEO_FPS", 10.0)
 DEFAULT_VIDEO_MAX_FRAMES = 64
-MAX_VIDEO_FRAMES = 128
+MAX_VIDEO_FRAMES = _limit("MAX_VIDEO_FRAMES", 128)
 DEFAULT_VIDEO_SLICES_PER_FRAME = 1
+MAX_VIDEO_SECONDS = _limit("MAX_VIDEO_SECONDS", 4 * 3600)  # longer videos are sampled just as well; this bounds nonsense headers
 
 # Text.
-MAX_PROMPT_CHARS = 20_000
-MAX_CONTEXT_TOKENS = 32_768
+MAX_PROMPT_CHARS = _limit("MAX_PROMPT_CHARS", 20_000)
+MAX_CONTEXT_TOKENS = _limit("MAX_CONTEXT_TOKENS", 32_768)
 DEFAULT_MAX_NEW_TOKENS = 1024
-MAX_NEW_TOKENS = 8192
+MAX_NEW_TOKENS = _limit("MAX_NEW_TOKENS", 8192)
 
 # Serving.
-DEFAULT_QUEUE_SIZE = 64
+DEFAULT_QUEUE_SIZE = 64  # requests waiting for the model; one more is told the demo is busy
 # How long a finished or stopped request may take to leave the GPU before we report it stuck.
 WORKER_JOIN_TIMEOUT_S = 30.0
 
@@ -39,6 +53,7 @@ MSG_UNREADABLE_IMAGE = "“{name}” could not be read as an image (the file is 
 MSG_IMAGE_TOO_LARGE = "“{name}” is {pixels:,} pixels; the limit is {limit:,}. Please downscale it."
 MSG_TOO_MANY_IMAGES = "{count} images in one request; the limit is {limit}."
 MSG_ONE_VIDEO = "Send one video at a time, without images beside it."
+MSG_VIDEO_TOO_LONG = "“{name}” is {seconds:,.0f} s long; the limit is {limit:,} s."
 MSG_UNREADABLE_VIDEO = "“{name}” could not be decoded as a video."
 MSG_EMPTY_VIDEO = "“{name}” has no frames that could be decoded."
 MSG_PROMPT_TOO_LONG = "The message is {count:,} characters; the limit is {limit:,}."
@@ -52,6 +67,9 @@ MSG_OVER_VISUAL_BUDGET = (
 )
 MSG_BAD_SETTING = "Setting “{key}”: {problem}"
 MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
+MSG_CONTEXT_TRIMMED = "The {count} oldest messages were left out so that the conversation fits the {limit:,}-token context."
+MSG_BUSY = "The demo is busy: {waiting} requests are already waiting. Please try again in a minute."
+MSG_WAITING = "⏳ Waiting for the model: {ahead} request(s) ahead of yours…"
 MSG_OUT_OF_MEMORY = "The GPU ran out of memory for this request. Try fewer images, fewer slices or a shorter reply."
 MSG_GENERATION_FAILED = "Generation failed: {error}"
 MSG_MULTI_IMAGE_NEEDS_IMAGES = "Add at least one image to the gallery first."
@@ -59,6 +77,11 @@ MSG_VIDEO_NEEDS_VIDEO = "Upload a video first."
 MSG_RANDOM_WEIGHTS = (
     "⚠️ **Random weights.** This is the tiny random-weight MiniCPM-V 4.6 built for tests: replies are "
     "meaningless tokens. Start with `--model openbmb/MiniCPM-V-4.6` for real answers."
+)
+MSG_SHARE_WITHOUT_AUTH = (
+    "\n" + "!" * 78 + "\n"
+    "!! --share without --auth: anyone who gets the share link can use this demo, your GPU and every\n"
+    "!! upload. Protect it with --auth USER:PASSWORD (or MINICPMV_AUTH=USER:PASSWORD).\n" + "!" * 78
 )
 MSG_MODEL_UNAVAILABLE = (
     "Cannot load “{model}”: it is not a local folder and could not be fetched from the Hugging Face Hub "

@@ -3,6 +3,7 @@
 import logging
 import sys
 
+from app import limits
 from app.config import AppConfig, parse_config
 from app.engine.loader import ModelUnavailable
 from app.engine.manager import ModelManager, get_manager
@@ -26,13 +27,16 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
 
     from app.ui.layout import CSS_PATH, build_demo
 
-    if config.share:
-        log.warning("--share makes this demo reachable by anyone who has the link.")
+    if config.share and not config.auth:
+        log.warning(limits.MSG_SHARE_WITHOUT_AUTH)
     demo = build_demo(manager)
-    demo.queue(max_size=config.queue_size, default_concurrency_limit=1)
-    demo.launch(server_name=config.host, server_port=config.port, share=config.share,
+    # The model manager keeps the real wait queue (bounded, first come first served, with positions);
+    # Gradio's queue only has to let those requests through, and its bound is a backstop.
+    demo.queue(max_size=2 * config.queue_size + 16, default_concurrency_limit=1)
+    demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
                 prevent_thread_lock=prevent_thread_lock, css_paths=[CSS_PATH], theme=gr.themes.Soft(),
-                footer_links=["api", "gradio"])
+                footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
+                max_threads=config.queue_size + 40)
     return demo
 
 

@@ -56,7 +56,7 @@ def test_start_from_environment_with_share_keeps_serving_locally(tmp_path):
         assert status == 200, log_path.read_text()
         time.sleep(3)  # give the share attempt time to finish
         output = log_path.read_text()
-        assert "Warm-up took" in output and "reachable by anyone" in output
+        assert "Warm-up took" in output and "--share without --auth" in output
         assert "Could not create share link" in output or "public URL" in output
         assert process.poll() is None  # still serving
     finally:

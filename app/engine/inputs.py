@@ -47,9 +47,23 @@ def _check_text(messages: list[dict]) -> None:
 
 
 def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
+    """Model inputs for the conversation; the oldest turns are left out (with a notice) when it outgrows the context."""
     if not messages or messages[-1]["role"] != "user":
         raise UserError(limits.MSG_EMPTY_REQUEST)
     _check_text(messages)
+    images: dict[str, object] = {}  # path -> loaded image, kept across trimming attempts
+    turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    for start in turn_starts:
+        prepared = _prepare(processor, messages[start:], settings, images)
+        needed = prepared.prompt_tokens + settings.max_new_tokens
+        if needed <= max_context_tokens:
+            if start:
+                prepared.notices.insert(0, limits.MSG_CONTEXT_TRIMMED.format(count=start, limit=max_context_tokens))
+            return prepared
+    raise UserError(limits.MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
+
+
+def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict) -> PreparedInputs:
     image_paths = _media_paths(messages, "image")
     video_paths = _media_paths(messages, "video")
     if len(image_paths) > limits.MAX_IMAGES_PER_REQUEST:
@@ -57,16 +71,19 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     if len(video_paths) > 1 or (video_paths and image_paths):
         raise UserError(limits.MSG_ONE_VIDEO)
 
-    images = [load_image(path) for path in image_paths]
+    for path in image_paths:
+        if path not in images:
+            images[path] = load_image(path)
+    loaded = [images[path] for path in image_paths]
     notices = []
     processor_kwargs = {}
     plan = None
-    if images:
-        plan = plan_slices(processor.image_processor, [(image.height, image.width) for image in images],
+    if loaded:
+        plan = plan_slices(processor.image_processor, [(image.height, image.width) for image in loaded],
                            settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
         if plan.notice():
             notices.append(plan.notice())
-        processor_kwargs["images"] = [images]
+        processor_kwargs["images"] = [loaded]
         processor_kwargs["images_kwargs"] = {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode}
     video = None
     if video_paths:
@@ -85,11 +102,6 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     tensors = processor(text=[prompt], return_tensors="pt", **processor_kwargs)
     input_ids = tensors["input_ids"][0]
     tokenizer = processor.tokenizer
-    prompt_tokens = int(input_ids.numel())
-    needed = prompt_tokens + settings.max_new_tokens
-    if needed > max_context_tokens:
-        raise UserError(limits.MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
-    video_tokens = int((input_ids == tokenizer.video_token_id).sum())
     image_tokens = list(plan.tokens_per_image) if plan else []
     counted = int((input_ids == tokenizer.image_token_id).sum())
     if counted != sum(image_tokens):
@@ -97,9 +109,9 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
         image_tokens = [counted] if counted else []
     return PreparedInputs(
         tensors=dict(tensors),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=int(input_ids.numel()),
         image_tokens=image_tokens,
-        video_tokens=video_tokens,
+        video_tokens=int((input_ids == tokenizer.video_token_id).sum()),
         video_frames=len(video.frame_indices) if video else 0,
         notices=notices,
         opens_thinking=prompt.rstrip().endswith(THINK_OPEN),

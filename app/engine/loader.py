@@ -16,7 +16,7 @@ from app.errors import UserError
 log = logging.getLogger(__name__)
 
 # What a checkpoint needs to load; skips extra formats (GGUF, ONNX) that some repos also carry.
-_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"]
 
 
 class ModelUnavailable(UserError):
@@ -83,11 +83,12 @@ def pick_dtype(requested: str, device: str):
     return getattr(torch, requested)
 
 
-def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str):
+def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str,
+                              trust_remote_code: bool = False):
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     try:
-        AutoConfig.from_pretrained(source.path)
+        AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     except (KeyError, ValueError) as error:
         import transformers
 
@@ -95,9 +96,10 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
             f"The installed transformers {transformers.__version__} cannot read “{source.name}” ({error}). "
             "Upgrade transformers (pip install -U transformers) or pick another checkpoint."
         ) from error
-    processor = AutoProcessor.from_pretrained(source.path)
+    processor = AutoProcessor.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     model = AutoModelForImageTextToText.from_pretrained(
-        source.path, dtype=dtype, attn_implementation=attn_implementation, device_map=device
+        source.path, dtype=dtype, attn_implementation=attn_implementation, device_map=device,
+        trust_remote_code=trust_remote_code,
     )
     model.eval()
     return model, processor

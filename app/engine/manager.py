@@ -1,8 +1,8 @@
 """The model manager: one per process, owns the model and processor, and runs every request.
 
-A request's lifecycle: prepare inputs on the calling thread (CPU work, no lock), wait for the GPU
-lock, hand `generate()` to the manager's one generation thread, which feeds a streamer, yield text as
-it arrives, release.
+A request's lifecycle: prepare inputs on the calling thread (CPU work), wait in line for the GPU
+(app.engine.gate: bounded, first come first served, reporting its place), hand `generate()` to the
+manager's one generation thread, which feeds a streamer, yield text as it arrives, release.
 Closing the stream at any point (user pressed Stop, client went away) sets the request's stop event,
 which a StoppingCriteria reads at every decode step, so `generate()` itself ends within one step.
 """
@@ -17,6 +17,7 @@ from typing import Iterator
 
 from app import limits
 from app.config import AppConfig
+from app.engine.gate import GpuGate
 from app.engine.inputs import PreparedInputs, prepare_inputs
 from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.settings import GenerationSettings
@@ -35,6 +36,7 @@ class ReplyUpdate:
     notices: list[str] = field(default_factory=list)
     opens_thinking: bool = False  # the prompt already opened a reasoning block: `text` starts inside it
     stats: dict | None = None
+    waiting_ahead: int | None = None  # set while the request waits in line: requests ahead of it
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ class ModelManager:
         self.source: ModelSource | None = None
         self.device = None
         self.warmup_s = None
-        self._gpu_lock = threading.Lock()
+        self.gate = GpuGate(max_waiting=config.queue_size)
         self._generation_thread: _GenerationThread | None = None
         self._running = 0  # generate() calls in progress
 
@@ -130,7 +132,8 @@ class ModelManager:
         self.source = resolve_model(self.config.model)
         self.device = pick_device(self.config.device)
         dtype = pick_dtype(self.config.dtype, self.device)
-        self.model, self.processor = load_model_and_processor(self.source, self.device, dtype, self.config.attn_implementation)
+        self.model, self.processor = load_model_and_processor(
+            self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code)
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
     def warm_up(self) -> float:
@@ -248,7 +251,13 @@ class ModelManager:
                 self._running -= 1
                 streamer.end()
 
-        with self._gpu_lock:
+        ticket = self.gate.join()
+        try:
+            while not self.gate.wait_turn(ticket, timeout=0.5):
+                yield ReplyUpdate(text="", waiting_ahead=self.gate.ahead_of(ticket))
+        finally:
+            self.gate.leave(ticket)  # a no-op once admitted; frees the place when cancelled while waiting
+        try:
             started_at = time.perf_counter()
             if self._generation_thread is None:
                 self._generation_thread = _GenerationThread()
@@ -262,6 +271,8 @@ class ModelManager:
                 stop_event.set()
                 if not done.wait(limits.WORKER_JOIN_TIMEOUT_S):
                     log.error("generate() did not stop within %.0f s", limits.WORKER_JOIN_TIMEOUT_S)
+        finally:
+            self.gate.release()
         finished_at = time.perf_counter()
         if failure:
             self._raise_for(failure[0])

@@ -80,6 +80,9 @@ def _probe(capture, name: str) -> tuple[int, float]:
         raise UserError(limits.MSG_EMPTY_VIDEO.format(name=name))
     if not native_fps > 0:
         raise UserError(limits.MSG_UNREADABLE_VIDEO.format(name=name))
+    if total_frames / native_fps > limits.MAX_VIDEO_SECONDS:
+        raise UserError(limits.MSG_VIDEO_TOO_LONG.format(name=name, seconds=total_frames / native_fps,
+                                                         limit=limits.MAX_VIDEO_SECONDS))
     return total_frames, native_fps
 
 

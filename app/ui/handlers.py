@@ -55,6 +55,12 @@ def stats_message(stats: dict, notices: list[str]) -> dict:
     return {"role": "assistant", "content": "\n\n".join(details), "metadata": {"title": title, "status": "done"}}
 
 
+def waiting_message(ahead: int) -> dict:
+    """Shown in place of the reply while the request waits in line; never part of the conversation."""
+    text = limits.MSG_WAITING.format(ahead=ahead)
+    return {"role": "assistant", "content": "", "metadata": {"title": text, "status": "pending"}}
+
+
 def error_message(text: str) -> dict:
     return {"role": "assistant", "content": text, "metadata": {"title": "⚠️ " + text, "status": "done"}}
 
@@ -88,6 +94,10 @@ class Handlers:
             # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup stops generate().
             with closing(self.manager.stream(messages, settings)) as updates:
                 for update in updates:
+                    if update.waiting_ahead is not None:
+                        history[-1] = waiting_message(update.waiting_ahead)
+                        yield history
+                        continue
                     history[-1] = {"role": "assistant", "content": reply_for_display(update.text, update.opens_thinking)}
                     if update.stats is not None:
                         history.append(stats_message(update.stats, update.notices))
@@ -232,7 +242,9 @@ class Handlers:
             with closing(self.manager.stream(messages, generation_settings)) as updates:
                 for update in updates:
                     reply = reply_for_display(update.text, update.opens_thinking)
-                    if update.stats is None:
+                    if update.waiting_ahead is not None:
+                        yield reply, {"done": False, "waiting_ahead": update.waiting_ahead}, gr.skip()
+                    elif update.stats is None:
                         yield reply, {"done": False}, gr.skip()
             answer = {"role": "assistant", "content": [{"type": "text", "text": strip_reasoning(reply)}]}
             yield reply, {"done": True, **update.stats, "notices": update.notices}, messages + [answer]

@@ -64,10 +64,10 @@ def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
                       buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id)
 
 
-def _wire_answer(trigger, respond, chatbot, settings, stop_target):
+def _wire_answer(trigger, respond, chatbot, settings, stop_target, concurrency: int):
     """Stream a reply after `trigger` succeeds; the stop control cancels it, which halts generate() itself."""
     answer = trigger.success(respond, [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
-                             api_visibility="undocumented")
+                             concurrency_limit=concurrency, api_visibility="undocumented")
     stop_target.stop(None, None, None, cancels=[answer])
     return answer
 
@@ -75,6 +75,9 @@ def _wire_answer(trigger, respond, chatbot, settings, stop_target):
 def build_demo(manager) -> gr.Blocks:
     handlers = Handlers(manager)
     defaults = manager.default_settings()
+    # Enough handlers run at once to fill the manager's line (which orders them and reports their places);
+    # past that the manager answers "busy" at once.
+    concurrency = manager.config.queue_size + 1
     info = manager.info()
     respond = on_zero_gpu(handlers.respond)
 
@@ -143,9 +146,9 @@ def build_demo(manager) -> gr.Blocks:
         # Chat tab.
         added = chat_box.submit(handlers.add_chat_message, [chat_box, camera, chat], [chat, chat_box, camera],
                                 api_visibility="undocumented")
-        _wire_answer(added, respond, chat, settings, chat_box)
+        _wire_answer(added, respond, chat, settings, chat_box, concurrency)
         retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
-        _wire_answer(retried, respond, chat, settings, chat_box)
+        _wire_answer(retried, respond, chat, settings, chat_box, concurrency)
         chat.undo(handlers.undo, [chat], [chat, chat_box], api_visibility="undocumented")
         chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
 
@@ -163,7 +166,7 @@ def build_demo(manager) -> gr.Blocks:
             control.change(handlers.image_costs, cost_inputs, [costs], api_visibility="undocumented")
         asked = multi_box.submit(handlers.add_multi_image_question, [multi_box, gallery, multi_chat], [multi_chat, multi_box],
                                  api_visibility="undocumented")
-        _wire_answer(asked, respond, multi_chat, settings, multi_box)
+        _wire_answer(asked, respond, multi_chat, settings, multi_box, concurrency)
 
         # Video tab: a new video starts a new conversation.
         summary_inputs = [video, video_settings["video_fps"], video_settings["video_max_frames"]]
@@ -173,10 +176,11 @@ def build_demo(manager) -> gr.Blocks:
             control.change(handlers.video_summary, summary_inputs, [video_info], api_visibility="undocumented")
         asked_video = video_box.submit(handlers.add_video_question, [video_box, video, video_chat], [video_chat, video_box],
                                        api_visibility="undocumented")
-        _wire_answer(asked_video, respond, video_chat, settings, video_box)
+        _wire_answer(asked_video, respond, video_chat, settings, video_box, concurrency)
 
         # The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask").
         api_button.click(on_zero_gpu(handlers.ask), [api_text, api_files, api_settings, api_conversation],
                          [api_reply, api_stats, api_conversation], api_name="ask", concurrency_id=MODEL_EVENTS,
+                         concurrency_limit=concurrency,
                          api_description="Ask about images or one video; streams (reply_text, stats).")
     return demo
