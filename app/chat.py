@@ -18,11 +18,32 @@ def strip_reasoning(text: str) -> str:
     return _REASONING.sub("", text).strip()
 
 
-def reply_for_display(generated: str, prompt_opens_thinking: bool) -> str:
-    """Make the reasoning block explicit when the chat template already opened it in the prompt."""
+_CODE = re.compile(r"(```.*?(?:```|$)|`[^`\n]*`)", re.DOTALL)
+
+
+def _markup_as_text(text: str) -> str:
+    """HTML in a reply shows as the characters it is made of: every "<" outside code becomes "&lt;".
+
+    Code spans and blocks are left alone (Markdown shows them literally already), and so are the
+    reasoning tags, which the chat display turns into a collapsible block.
+    """
+    parts = _CODE.split(text)
+    for i in range(0, len(parts), 2):  # even parts lie outside code
+        parts[i] = (parts[i].replace("<", "&lt;")
+                    .replace("&lt;" + THINK_OPEN[1:], THINK_OPEN).replace("&lt;" + THINK_CLOSE[1:], THINK_CLOSE))
+    return "".join(parts)
+
+
+def reply_text(generated: str, prompt_opens_thinking: bool) -> str:
+    """The reply with its reasoning block made explicit when the chat template already opened it in the prompt."""
     if prompt_opens_thinking and not generated.lstrip().startswith(THINK_OPEN):
         return THINK_OPEN + generated
     return generated
+
+
+def reply_for_display(generated: str, prompt_opens_thinking: bool) -> str:
+    """The reply as the chat page shows it: markup as text (`reply_text` is what the API returns)."""
+    return _markup_as_text(reply_text(generated, prompt_opens_thinking))
 
 
 def _file_path(part) -> str | None:
@@ -76,7 +97,7 @@ def history_to_messages(history: list[dict]) -> list[dict]:
             if text is None:
                 continue
             if role == "assistant":
-                text = strip_reasoning(text)
+                text = strip_reasoning(text.replace("&lt;", "<"))  # undo _markup_as_text
             if text:
                 parts.append({"type": "text", "text": text})
         if not parts:

@@ -14,6 +14,10 @@ def _limit(name: str, default):
 
 # Uploads.
 MAX_UPLOAD_MB = _limit("MAX_UPLOAD_MB", 200)  # any one file; Gradio refuses larger uploads before they land
+# Gradio keeps every upload as a new file: app.uploads deletes those older than this, checking this often.
+# A conversation older than the age loses its images (its follow-ups then say the file could not be read).
+UPLOAD_MAX_AGE_S = _limit("UPLOAD_MAX_AGE_S", 2 * 3600)
+UPLOAD_CLEAN_EVERY_S = _limit("UPLOAD_CLEAN_EVERY_S", 600)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".avi", ".mkv")
 MAX_IMAGES_PER_REQUEST = _limit("MAX_IMAGES_PER_REQUEST", 16)
@@ -50,7 +54,7 @@ WORKER_JOIN_TIMEOUT_S = 30.0
 MSG_EMPTY_REQUEST = "Type a question or attach an image or video first."
 MSG_UNSUPPORTED_FILE = "“{name}” is not a supported file. Images: {images}. Videos: {videos}."
 MSG_UNREADABLE_IMAGE = "“{name}” could not be read as an image (the file is corrupt, truncated or not an image)."
-MSG_IMAGE_TOO_LARGE = "“{name}” is {pixels:,} pixels; the limit is {limit:,}. Please downscale it."
+MSG_IMAGE_TOO_LARGE = "“{name}” has more than {limit:,} pixels. Please downscale it."
 MSG_TOO_MANY_IMAGES = "{count} images in one request; the limit is {limit}."
 MSG_ONE_VIDEO = "Send one video at a time, without images beside it."
 MSG_VIDEO_TOO_LONG = "“{name}” is {seconds:,.0f} s long; the limit is {limit:,} s."

@@ -1,7 +1,10 @@
 """Start-up, in order: options, model load, warm-up, UI, server."""
 
 import logging
+import os
+import shutil
 import sys
+import tempfile
 
 from app import limits
 from app.config import AppConfig, parse_config
@@ -24,12 +27,22 @@ def load_manager(config: AppConfig) -> ModelManager:
 def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool = False):
     """Serve the UI; returns the Blocks (and keeps serving in the background) when prevent_thread_lock is set."""
     import gradio as gr
+    from gradio.utils import get_upload_folder
 
     from app.ui.layout import CSS_PATH, build_demo
+    from app.uploads import start_upload_cleaner
 
     if config.share and not config.auth:
         log.warning(limits.MSG_SHARE_WITHOUT_AUTH)
-    demo = build_demo(manager)
+    if not os.environ.get("GRADIO_TEMP_DIR"):
+        # A folder of our own, emptied at start: uploads of an earlier run belong to conversations that are gone.
+        own_folder = os.path.join(tempfile.gettempdir(), f"minicpmv-demo-uploads-{config.port}")
+        shutil.rmtree(own_folder, ignore_errors=True)
+        os.environ["GRADIO_TEMP_DIR"] = own_folder
+    upload_folder = get_upload_folder()
+    os.makedirs(upload_folder, exist_ok=True)
+    demo = build_demo(manager)  # caches its example media in the upload folder, which the cleaner spares
+    start_upload_cleaner(upload_folder)
     # The model manager keeps the real wait queue (bounded, first come first served, with positions);
     # Gradio's queue only has to let those requests through, and its bound is a backstop.
     demo.queue(max_size=2 * config.queue_size + 16, default_concurrency_limit=1)

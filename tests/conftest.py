@@ -8,6 +8,9 @@ import tempfile
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 os.environ.setdefault("MINICPMV_DEMO_CACHE", os.path.join(tempfile.gettempdir(), "minicpmv-demo-tests"))
+# Uploads expire quickly here so that the soak test can see the clean-up keep the cache bounded.
+os.environ.setdefault("MINICPMV_UPLOAD_MAX_AGE_S", "20")
+os.environ.setdefault("MINICPMV_UPLOAD_CLEAN_EVERY_S", "5")
 
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402

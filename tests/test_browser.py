@@ -16,18 +16,44 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM) and not os.environ.
 
 
 @pytest.fixture(scope="module")
-def page(server_url):
+def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--no-first-run"])
-        page = browser.new_page(viewport={"width": 1280, "height": 1100})
-        page.goto(server_url)
-        page.wait_for_selector("#chat-input textarea")
-        yield page
+        yield browser
         browser.close()
+
+
+def open_page(browser, server_url):
+    page = browser.new_page(viewport={"width": 1280, "height": 1100})
+    page.goto(server_url)
+    page.wait_for_selector("#chat-input textarea")
+    return page
+
+
+@pytest.fixture(scope="module")
+def page(browser, server_url):
+    page = open_page(browser, server_url)
+    yield page
+    page.close()
+
+
+def set_max_new_tokens(page, value: int) -> None:
+    """As a user does it: in the settings sidebar."""
+    page.locator(".sidebar .toggle-button").first.click()
+    box = page.get_by_label("number input for Max new tokens")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 def chat_text(page) -> str:
@@ -56,11 +82,7 @@ def test_chat_with_an_image_streams_a_reply(page, red_image):
 
 
 def test_stop_button_halts_generation(page, manager):
-    # A reply long enough to be stopped mid-way, set as a user would: in the settings sidebar.
-    page.locator(".sidebar .toggle-button").first.click()
-    max_new_tokens = page.get_by_label("number input for Max new tokens")
-    max_new_tokens.fill("4000")
-    max_new_tokens.press("Enter")
+    set_max_new_tokens(page, 4000)  # a reply long enough to be stopped mid-way
     stats_lines = page.get_by_text(STATS_LINE).count()
     question = "Tell me a very long story."
     before = len(chat_text(page))
@@ -83,3 +105,37 @@ def test_stop_button_halts_generation(page, manager):
     page.wait_for_timeout(500)
     assert len(chat_text(page)) == stopped_at  # and nothing more arrives
     page.screenshot(path=os.path.join(ARTIFACTS, "stopped.png"), full_page=True)
+
+
+def test_closing_the_tab_stops_generation(browser, server_url, manager):
+    page = open_page(browser, server_url)
+    set_max_new_tokens(page, 4000)
+    page.locator("#chat-input textarea").fill("Write a very long essay.")
+    page.locator("#chat-input textarea").press("Enter")
+    assert wait_for(lambda: manager.active_generations == 1, 30)
+    page.wait_for_timeout(500)
+    page.close()
+    assert wait_for(lambda: manager.active_generations == 0, 20)  # the GPU is free again, well before 4000 tokens
+    assert manager.gate.waiting == 0
+
+
+def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager, monkeypatch):
+    from app.engine.manager import ReplyUpdate
+
+    payload = ('<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2">'
+               '<iframe src="javascript:window.__pwned = 3"></iframe> and plain words after')
+
+    def hostile_stream(messages, settings):
+        yield ReplyUpdate(text=payload)
+
+    monkeypatch.setattr(manager, "stream", hostile_stream)
+    page = open_page(browser, server_url)
+    page.locator("#chat-input textarea").fill("Say something nasty.")
+    page.locator("#chat-input textarea").press("Enter")
+    page.get_by_text("and plain words after").wait_for(timeout=20_000)
+    page.wait_for_timeout(1000)
+    page.screenshot(path=os.path.join(ARTIFACTS, "html-reply.png"), full_page=True)
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("#chat script, #chat iframe, #chat img, #chat [onerror]").count() == 0
+    assert page.get_by_text('<script>window.__pwned = 1</script><img src="x"').count() == 1  # shown as text
+    page.close()

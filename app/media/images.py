@@ -15,11 +15,13 @@ def load_image(path: str) -> Image.Image:
             # Image.open reads only the header: refuse huge images before their pixels are decoded.
             pixels = image.width * image.height
             if pixels > limits.MAX_IMAGE_PIXELS:
-                raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, pixels=pixels, limit=limits.MAX_IMAGE_PIXELS))
+                raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS))
             image.load()
             upright = ImageOps.exif_transpose(image)
             return upright.convert("RGB")
     except UserError:
         raise
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+    except Image.DecompressionBombError as error:  # PIL's own guard fires inside open() for the largest ones
+        raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS)) from error
+    except (OSError, SyntaxError, ValueError) as error:
         raise UserError(limits.MSG_UNREADABLE_IMAGE.format(name=name)) from error

@@ -10,7 +10,7 @@ from contextlib import closing
 import gradio as gr
 
 from app import limits
-from app.chat import history_to_messages, reply_for_display, strip_reasoning, user_content
+from app.chat import history_to_messages, reply_for_display, reply_text, strip_reasoning, user_content
 from app.errors import UserError
 from app.media.files import media_kind
 from app.media.images import load_image
@@ -241,7 +241,7 @@ class Handlers:
             reply = ""
             with closing(self.manager.stream(messages, generation_settings)) as updates:
                 for update in updates:
-                    reply = reply_for_display(update.text, update.opens_thinking)
+                    reply = reply_text(update.text, update.opens_thinking)
                     if update.waiting_ahead is not None:
                         yield reply, {"done": False, "waiting_ahead": update.waiting_ahead}, gr.skip()
                     elif update.stats is None:
