@@ -50,7 +50,7 @@ def test_markup_in_replies_is_shown_as_text():
     shown = reply_for_display("<b>hi</b> <think>x</think> `a<b` and\n```html\n<div>\n```\n<script>", False)
     assert shown == "&lt;b>hi&lt;/b> <think>x</think> `a<b` and\n```html\n<div>\n```\n&lt;script>"
     back = history_to_messages([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": shown}])
-    assert back[1]["content"][0]["text"] == "<b>hi</b> `a<b` and\n```html\n<div>\n```\n<script>"  # the model sees what it wrote
+    assert back[1]["content"][0]["text"] == "<b>hi</b>  `a<b` and\n```html\n<div>\n```\n<script>"  # the model sees what it wrote
 
 
 def test_settings_overrides_are_checked():
