@@ -70,6 +70,7 @@ MSG_OVER_VISUAL_BUDGET = (
     "visual budget. Raise the budget or send fewer images."
 )
 MSG_BAD_SETTING = "Setting “{key}”: {problem}"
+MSG_SETTINGS_NOT_OBJECT = "settings must be a JSON object such as {\"max_new_tokens\": 256}."
 MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
 MSG_CONTEXT_TRIMMED = "The {count} oldest messages were left out so that the conversation fits the {limit:,}-token context."
 MSG_BUSY = "The demo is busy: {waiting} requests are already waiting. Please try again in a minute."

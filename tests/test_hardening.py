@@ -70,7 +70,7 @@ def test_huge_prompt_and_bad_settings_are_refused(client, red_image):
         stream(client, "x" * 200_000, [], FIXED)
     for settings, message in (({"max_new_tokens": 10**9}, "max_new_tokens"), ({"top_k": -3}, "top_k"),
                               ({"downsample_mode": "1x"}, "downsample_mode"), ({"video_fps": "fast"}, "video_fps"),
-                              ({"stream": True}, "Unknown setting")):
+                              ({"stream": True}, "Unknown setting"), ([1, 2], "JSON object"), ("fast", "JSON object")):
         with pytest.raises(AppError, match=message):
             stream(client, "Hello", [red_image], settings)
     _, (_, stats) = stream(client, "Hello", [red_image], FIXED)

@@ -228,8 +228,10 @@ class Handlers:
 
     def ask(self, text: str, files: list | None, settings: dict | None, conversation: list | None):
         """/ask: stream (reply_text, stats). settings["follow_up"] = true continues this client's last conversation."""
+        if settings is not None and not isinstance(settings, dict):
+            raise gr.Error(limits.MSG_SETTINGS_NOT_OBJECT)
         overrides = dict(settings or {})
-        follow_up = bool(overrides.pop("follow_up", False))
+        follow_up = overrides.pop("follow_up", False) in (True, "true", 1)
         text = text or ""
         paths = [_path(file) for file in files or []]
         try:
