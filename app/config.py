@@ -25,6 +25,9 @@ class AppConfig:
     warmup: bool = True
     auth: str | None = None  # "user:password"
     trust_remote_code: bool = False
+    backend: str = "transformers"
+    openai_base_url: str = "http://127.0.0.1:8000/v1"
+    openai_model: str = "openbmb/MiniCPM-V-4.6"
 
     def auth_pair(self) -> tuple[str, str] | None:
         if not self.auth:
@@ -46,6 +49,12 @@ _OPTIONS = [
     ("--max-new-tokens", "max_new_tokens", "MINICPMV_MAX_NEW_TOKENS", int, "Default reply length cap shown in the UI."),
     ("--visual-token-budget", "visual_token_budget", "MINICPMV_VISUAL_TOKEN_BUDGET", int,
      "Default visual tokens one request may spend on all its images together."),
+    ("--backend", "backend", "MINICPMV_BACKEND", str,
+     "'transformers' loads the model here; 'openai' sends requests to an OpenAI-compatible server "
+     "(vLLM, SGLang, Ollama, transformers serve) given by --openai-base-url and --openai-model."),
+    ("--openai-base-url", "openai_base_url", "MINICPMV_OPENAI_BASE_URL", str,
+     "Base URL of the OpenAI-compatible server, ending in /v1. Its API key comes from OPENAI_API_KEY."),
+    ("--openai-model", "openai_model", "MINICPMV_OPENAI_MODEL", str, "Model name the server knows."),
     ("--queue-size", "queue_size", "MINICPMV_QUEUE_SIZE", int, "Requests allowed to wait for the model; more are told the demo is busy."),
 ]
 
@@ -79,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> AppConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.backend not in ("transformers", "openai"):
+        parser.error("--backend is 'transformers' or 'openai'")
     if args.auth is not None and (":" not in args.auth or not all(args.auth.partition(":")[::2])):
         parser.error("--auth takes USER:PASSWORD, both non-empty")
     return AppConfig(**vars(args))

@@ -50,6 +50,9 @@ DEFAULT_QUEUE_SIZE = 64  # requests waiting for the model; one more is told the 
 # How long a finished or stopped request may take to leave the GPU before we report it stuck.
 WORKER_JOIN_TIMEOUT_S = 30.0
 
+# External OpenAI-compatible engine.
+ENGINE_READ_TIMEOUT_S = _limit("ENGINE_READ_TIMEOUT_S", 120.0)  # longest silence between two streamed pieces
+
 # User-facing messages.
 MSG_EMPTY_REQUEST = "Type a question or attach an image or video first."
 MSG_UNSUPPORTED_FILE = "“{name}” is not a supported file. Images: {images}. Videos: {videos}."
@@ -75,6 +78,11 @@ MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
 MSG_CONTEXT_TRIMMED = "The {count} oldest messages were left out so that the conversation fits the {limit:,}-token context."
 MSG_BUSY = "The demo is busy: {waiting} requests are already waiting. Please try again in a minute."
 MSG_WAITING = "⏳ Waiting for the model: {ahead} request(s) ahead of yours…"
+MSG_ENGINE_DOWN = "The model server at {url} is not reachable. It may be starting or down; try again shortly."
+MSG_ENGINE_SLOW = "The model server at {url} sent nothing for {seconds:.0f} s; try again shortly."
+MSG_ENGINE_BROKE = "The model server at {url} stopped answering in the middle of the reply; try again."
+MSG_ENGINE_REFUSED = "The model server refused the request (HTTP {status}): {detail}"
+MSG_COSTS_ON_SERVER = "Visual token costs are counted by the model server and are not known here."
 MSG_OUT_OF_MEMORY = "The GPU ran out of memory for this request. Try fewer images, fewer slices or a shorter reply."
 MSG_GENERATION_FAILED = "Generation failed: {error}"
 MSG_MULTI_IMAGE_NEEDS_IMAGES = "Add at least one image to the gallery first."

@@ -46,8 +46,8 @@ class ModelInfo:
     model_type: str
     device: str
     dtype: str
-    parameters: int
-    weight_bytes: int
+    parameters: int | None  # None for a model served elsewhere
+    weight_bytes: int | None
     random_weights: bool
     warmup_s: float | None
     gpu_memory_bytes: int | None
@@ -307,12 +307,17 @@ _manager: ModelManager | None = None
 _manager_lock = threading.Lock()
 
 
-def get_manager(config: AppConfig | None = None) -> ModelManager:
-    """The process-wide manager; the first call creates it from `config`."""
+def get_manager(config: AppConfig | None = None):
+    """The process-wide manager; the first call creates it from `config` (a local model, or an OpenAI server)."""
     global _manager
     with _manager_lock:
         if _manager is None:
             if config is None:
                 raise RuntimeError("the model manager has not been created yet")
-            _manager = ModelManager(config)
+            if config.backend == "openai":
+                from app.engine.openai_engine import OpenAIEngine
+
+                _manager = OpenAIEngine(config)
+            else:
+                _manager = ModelManager(config)
         return _manager

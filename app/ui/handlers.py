@@ -42,13 +42,15 @@ def _check_upload(path: str) -> None:
 def stats_message(stats: dict, notices: list[str]) -> dict:
     """A collapsible line under the reply: the reader sees it, the model never does (it has metadata)."""
     speed = f" · {stats['tokens_per_s']:.0f} tok/s" if stats["tokens_per_s"] else ""
-    title = (f"{stats['visual_tokens']:,} visual tokens · first token {stats['ttft_ms']:.0f} ms{speed}"
-             f" · {stats['new_tokens']} new tokens")
-    details = [f"Prompt: {stats['prompt_tokens']:,} tokens."]
+    # An external server counts visual and prompt tokens itself (None here).
+    visual = f"{stats['visual_tokens']:,} visual tokens · " if stats["visual_tokens"] is not None else ""
+    title = f"{visual}first token {stats['ttft_ms']:.0f} ms{speed} · {stats['new_tokens']} new tokens"
+    details = [f"Prompt: {stats['prompt_tokens']:,} tokens."] if stats["prompt_tokens"] is not None else []
     if stats["image_tokens"]:
         details.append("Images: " + ", ".join(f"#{i + 1} {n:,}" for i, n in enumerate(stats["image_tokens"])) + " tokens.")
     if stats["video_frames"]:
-        details.append(f"Video: {stats['video_frames']} frames, {stats['video_tokens']:,} tokens.")
+        tokens = f", {stats['video_tokens']:,} tokens" if stats["video_tokens"] is not None else ""
+        details.append(f"Video: {stats['video_frames']} frames{tokens}.")
     details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms, waiting for the model {stats['queue_ms']:.0f} ms, "
                    f"total {stats['total_ms'] / 1000:.2f} s.")
     details.extend(notices)

@@ -16,6 +16,8 @@ MODEL_EVENTS = "model"  # one concurrency group: every event that generates wait
 
 
 def model_header(info) -> str:
+    if info.parameters is None:
+        return f"# MiniCPM-V\nModel **{info.name}**, served by the OpenAI-compatible server at `{info.path}`"
     memory = f"{info.weight_bytes / 2**30:.2f} GiB" if info.weight_bytes >= 2**30 else f"{info.weight_bytes / 2**20:.1f} MiB"
     warmup = f" · warm-up {info.warmup_s:.2f} s" if info.warmup_s is not None else ""
     gpu = f" · {info.gpu_memory_bytes / 2**30:.2f} GiB of GPU memory in use" if info.gpu_memory_bytes is not None else ""

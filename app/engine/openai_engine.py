@@ -1,0 +1,195 @@
+"""The same model-manager interface over an external OpenAI-compatible server (vLLM, SGLang, Ollama,
+`transformers serve`): no weights load here; images travel as base64 data URLs, a video as its sampled frames.
+
+How MiniCPM-V 2.6 runs (its Hub code predates transformers 5) and how users scale past one GPU.
+"""
+
+import base64
+import io
+import json
+import logging
+import os
+import threading
+import time
+from typing import Iterator
+
+from app import limits
+from app.config import AppConfig
+from app.engine.manager import ModelInfo, ReplyUpdate
+from app.engine.settings import GenerationSettings
+from app.errors import UserError
+from app.media.images import load_image
+from app.media.video import sample_video
+
+log = logging.getLogger(__name__)
+
+
+def _data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=92)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _openai_messages(messages: list[dict], settings: GenerationSettings) -> tuple[list[dict], int]:
+    """Model messages as OpenAI chat messages, and the number of video frames sent."""
+    from PIL import Image
+
+    converted, frames_sent = [], 0
+    for message in messages:
+        parts = []
+        for part in message["content"]:
+            if part["type"] == "text":
+                parts.append({"type": "text", "text": part["text"]})
+            elif part["type"] == "image":
+                parts.append({"type": "image_url", "image_url": {"url": _data_url(load_image(part["path"]))}})
+            else:
+                video = sample_video(part["path"], settings.video_fps, settings.video_max_frames)
+                frames_sent += len(video.frames)
+                parts.extend({"type": "image_url", "image_url": {"url": _data_url(Image.fromarray(frame))}}
+                             for frame in video.frames)
+        converted.append({"role": message["role"], "content": parts})
+    return converted, frames_sent
+
+
+class OpenAIEngine:
+    def __init__(self, config: AppConfig):
+        self.config = config
+        self.base_url = config.openai_base_url.rstrip("/")
+        self.api_key = os.environ.get("OPENAI_API_KEY") or "none"
+        self.warmup_s = None
+        self._loaded = False
+        self._running = 0
+        self._running_lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded
+
+    def load(self) -> None:
+        """Nothing to load; a server that is down now is reported per request, and used once it is back."""
+        self._loaded = True
+        try:
+            self._client(timeout=5).get(self.base_url + "/models").raise_for_status()
+        except Exception as error:
+            log.warning("The model server at %s does not answer yet (%s); requests will say so until it does.",
+                        self.base_url, error)
+
+    def warm_up(self) -> float | None:
+        started = time.perf_counter()
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+        try:
+            for _ in self.stream(messages, GenerationSettings(max_new_tokens=2, do_sample=False)):
+                pass
+        except UserError as error:
+            log.warning("Warm-up skipped: %s", error)
+            return None
+        self.warmup_s = time.perf_counter() - started
+        return self.warmup_s
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(name=self.config.openai_model, path=self.base_url, model_type="OpenAI-compatible server",
+                         device=self.base_url, dtype="remote", parameters=None, weight_bytes=None,
+                         random_weights=False, warmup_s=self.warmup_s, gpu_memory_bytes=None)
+
+    def default_settings(self) -> GenerationSettings:
+        return GenerationSettings(max_new_tokens=self.config.max_new_tokens,
+                                  visual_token_budget=self.config.visual_token_budget)
+
+    def plan_images(self, paths: list[str], settings: GenerationSettings):
+        raise UserError(limits.MSG_COSTS_ON_SERVER)
+
+    @property
+    def active_generations(self) -> int:
+        return self._running
+
+    def _client(self, timeout: float):
+        import httpx
+
+        return httpx.Client(timeout=httpx.Timeout(timeout, connect=5.0),
+                            headers={"Authorization": f"Bearer {self.api_key}"})
+
+    def _payload(self, messages: list[dict], settings: GenerationSettings) -> dict:
+        payload = {
+            "model": self.config.openai_model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature if settings.do_sample else 0.0,
+            "top_p": settings.top_p if settings.do_sample else 1.0,
+        }
+        # Not in OpenAI's own API but read by vLLM, SGLang and others; sent only when they change something.
+        if settings.do_sample and settings.top_k:
+            payload["top_k"] = settings.top_k
+        if settings.repetition_penalty != 1.0:
+            payload["repetition_penalty"] = settings.repetition_penalty
+        if settings.min_new_tokens:
+            payload["min_tokens"] = settings.min_new_tokens
+        if settings.enable_thinking:
+            payload["chat_template_kwargs"] = {"enable_thinking": True}
+        return payload
+
+    def stream(self, messages: list[dict], settings: GenerationSettings) -> Iterator[ReplyUpdate]:
+        import httpx
+
+        if not messages or messages[-1]["role"] != "user":
+            raise UserError(limits.MSG_EMPTY_REQUEST)
+        requested_at = time.perf_counter()
+        converted, frames = _openai_messages(messages, settings)
+        prepared_at = time.perf_counter()
+        text, reasoning, usage, first_at, chunks = "", "", {}, None, 0
+        with self._running_lock:
+            self._running += 1
+        try:
+            with self._client(timeout=limits.ENGINE_READ_TIMEOUT_S) as client, client.stream(
+                    "POST", self.base_url + "/chat/completions", json=self._payload(converted, settings)) as response:
+                if response.status_code >= 400:
+                    raise UserError(limits.MSG_ENGINE_REFUSED.format(
+                        status=response.status_code, detail=response.read().decode(errors="replace")[:300]))
+                for line in response.iter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data:"):])
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices", []):
+                        delta = choice.get("delta", {})
+                        piece = delta.get("content") or ""
+                        thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
+                        if piece or thought:
+                            first_at = first_at or time.perf_counter()
+                            chunks += 1
+                            text += piece
+                            reasoning += thought
+                            yield ReplyUpdate(text=self._joined(reasoning, text))
+        except httpx.ConnectError as error:
+            raise UserError(limits.MSG_ENGINE_DOWN.format(url=self.base_url)) from error
+        except httpx.TimeoutException as error:
+            raise UserError(limits.MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
+        except (httpx.TransportError, json.JSONDecodeError) as error:
+            raise UserError(limits.MSG_ENGINE_BROKE.format(url=self.base_url)) from error
+        finally:
+            with self._running_lock:
+                self._running -= 1
+        finished_at = time.perf_counter()
+        first_at = first_at or finished_at
+        new_tokens = usage.get("completion_tokens", chunks)
+        decode_s = finished_at - first_at
+        stats = {
+            "visual_tokens": None,  # counted by the server
+            "image_tokens": [],
+            "video_tokens": None,
+            "video_frames": frames,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "new_tokens": new_tokens,
+            "ttft_ms": round((first_at - requested_at) * 1000, 1),
+            "preprocess_ms": round((prepared_at - requested_at) * 1000, 1),
+            "queue_ms": 0.0,
+            "tokens_per_s": round((new_tokens - 1) / decode_s, 1) if new_tokens > 1 and decode_s > 0 else None,
+            "total_ms": round((finished_at - requested_at) * 1000, 1),
+        }
+        yield ReplyUpdate(text=self._joined(reasoning, text), stats=stats)
+
+    @staticmethod
+    def _joined(reasoning: str, text: str) -> str:
+        """Servers that split reasoning into its own field get it back as a <think> block for display."""
+        return f"<think>{reasoning}</think>{text}" if reasoning else text
