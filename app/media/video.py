@@ -21,10 +21,6 @@ class SampledVideo:
     total_frames: int
 
     @property
-    def duration_s(self) -> float:
-        return self.total_frames / self.native_fps
-
-    @property
     def timestamps_s(self) -> tuple[float, ...]:
         return tuple(index / self.native_fps for index in self.frame_indices)
 
