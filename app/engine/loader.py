@@ -85,6 +85,7 @@ def pick_dtype(requested: str, device: str):
 
 def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str,
                               trust_remote_code: bool = False):
+    import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     try:
@@ -102,4 +103,8 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
         trust_remote_code=trust_remote_code,
     )
     model.eval()
+    if str(device).startswith("cuda"):
+        # cuDNN's attention builds a graph for every new sequence length it meets (per thread): on an H200
+        # replies whose length was new decoded at 72-94 ms/token with it, 32-45 without (benchmarks/RESULTS.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return model, processor

@@ -1,0 +1,195 @@
+"""N users at once, each sending requests back to back: time to first token, latency, throughput, success.
+
+Each request: one 1344x1344 image (640 visual tokens), a short question, exactly --new-tokens new tokens,
+greedy. Each level runs for --duration seconds of new requests, then waits up to --grace seconds for those in
+flight; unfinished ones are reported, not hidden. Two modes:
+  --mode engine  the model manager called in-process (what the GPU can do),
+  --mode app     the full app through gradio_client (what a browser user gets).
+Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
+
+    python benchmarks/concurrency.py --levels 1,10,50,100,200 --json results.json
+    python benchmarks/concurrency.py --model tiny-random --levels 1,4 --duration 10   # a quick CPU check
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import closing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.single_request import REFERENCE_CONFIG  # noqa: E402
+
+
+def percentile(values: list[float], fraction: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 1)
+
+
+class Aborted(Exception):
+    """The level's time ran out while this request was still waiting or streaming."""
+
+
+def engine_request(manager, messages, settings, abort: threading.Event) -> tuple[float, int]:
+    """(time to first token in ms, new tokens), in-process."""
+    with closing(manager.stream(messages, settings)) as updates:
+        for update in updates:
+            if abort.is_set():
+                raise Aborted
+    return update.stats["ttft_ms"], update.stats["new_tokens"]
+
+
+def app_request(client, image_path, settings, abort: threading.Event) -> tuple[float, int]:
+    """(time to first token in ms as the client saw it, new tokens), through gradio_client."""
+    from gradio_client import handle_file
+
+    started = time.perf_counter()
+    first = None
+    job = client.submit("Describe this image in detail.", [handle_file(image_path)], settings, api_name="/ask")
+    for reply, _ in job:
+        if abort.is_set():
+            job.cancel()
+            raise Aborted
+        if reply and first is None:
+            first = time.perf_counter()
+    stats = job.result()[1]
+    return round(((first or time.perf_counter()) - started) * 1000, 1), stats["new_tokens"]
+
+
+def run_level(users: int, duration: float, grace: float, make_requester) -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    results, failures, aborted = [], [], []
+    lock = threading.Lock()
+    abort = threading.Event()
+    stop_issuing = time.perf_counter() + duration
+
+    def user():
+        request = make_requester()
+        while time.perf_counter() < stop_issuing:
+            started = time.perf_counter()
+            try:
+                ttft_ms, new_tokens = request(abort)
+                with lock:
+                    results.append((ttft_ms, (time.perf_counter() - started) * 1000, new_tokens, time.perf_counter()))
+            except Aborted:
+                with lock:
+                    aborted.append(1)
+            except Exception as error:  # counted and reported; a busy answer is retried a second later
+                with lock:
+                    failures.append(repr(error)[:200])
+                time.sleep(1.0)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=user, daemon=True) for _ in range(users)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, stop_issuing + grace - time.perf_counter()))
+    abort.set()  # what is still waiting or streaming leaves now, so the next level starts clean
+    for thread in threads:
+        thread.join(60)
+    unfinished = len(aborted)
+    ended = max([r[3] for r in results], default=time.perf_counter())
+    window = ended - started
+    ttfts, latencies = [r[0] for r in results], [r[1] for r in results]
+    attempted = len(results) + len(failures) + unfinished
+    return {
+        "users": users,
+        "completed": len(results),
+        "failed": len(failures),
+        "unfinished": unfinished,
+        "success_rate": round(len(results) / attempted, 3) if attempted else None,
+        "ttft_ms_p50": percentile(ttfts, 0.5),
+        "ttft_ms_p95": percentile(ttfts, 0.95),
+        "latency_ms_p50": percentile(latencies, 0.5),
+        "latency_ms_p95": percentile(latencies, 0.95),
+        "tokens_per_s": round(sum(r[2] for r in results) / window, 1) if results else 0.0,
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "failure_examples": failures[:3],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "minicpmv4_6-real-shape-random"))
+    parser.add_argument("--mode", choices=["engine", "app"], default="engine")
+    parser.add_argument("--levels", default="1,10,50,100,200")
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--grace", type=float, default=60.0)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+    from PIL import Image
+
+    from app.config import AppConfig
+    from app.engine.manager import ModelManager
+    from app.engine.random_checkpoint import build_random_checkpoint
+    from app.engine.settings import GenerationSettings
+
+    model = args.model
+    if model is None:
+        model = args.checkpoint
+        if not os.path.exists(os.path.join(model, "config.json")):
+            with open(REFERENCE_CONFIG) as file:
+                build_random_checkpoint(model, json.load(file), dtype=torch.bfloat16,
+                                        device="cuda" if torch.cuda.is_available() else "cpu")
+    levels = [int(level) for level in args.levels.split(",")]
+    config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899)
+    manager = ModelManager(config)
+    manager.load()
+    manager.warm_up()
+
+    image_path = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
+    Image.effect_noise((1344, 1344), 64).convert("RGB").save(image_path)
+    settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
+    messages = [{"role": "user", "content": [{"type": "image", "path": image_path},
+                                             {"type": "text", "text": "Describe this image in detail."}]}]
+    if args.mode == "engine":
+        generation = GenerationSettings(**settings)
+
+        def make_requester():
+            return lambda abort: engine_request(manager, messages, generation, abort)
+    else:
+        from gradio_client import Client
+
+        from app.main import launch
+
+        url = launch(config, manager, prevent_thread_lock=True).local_url
+
+        def make_requester():
+            client = Client(url, verbose=False)
+            return lambda abort: app_request(client, image_path, settings, abort)
+
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
+        "new_tokens": args.new_tokens, "duration_s": args.duration, "levels": [],
+    }
+    for users in levels:
+        level = run_level(users, args.duration, args.grace, make_requester)
+        report["levels"].append(level)
+        print(json.dumps(level), flush=True)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(report, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
