@@ -25,6 +25,7 @@ class AppConfig:
     warmup: bool = True
     auth: str | None = None  # "user:password"
     trust_remote_code: bool = False
+    allow_model_switch: bool = False
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = "openbmb/MiniCPM-V-4.6"
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trust-remote-code", action="store_true", default=_env_flag("MINICPMV_TRUST_REMOTE_CODE"),
                         help="Allow a checkpoint to run its own Python code. Off unless you trust its author. "
                              "[env MINICPMV_TRUST_REMOTE_CODE]")
+    parser.add_argument("--allow-model-switch", action="store_true", default=_env_flag("MINICPMV_ALLOW_MODEL_SWITCH"),
+                        help="Show a model picker: whoever uses the page can change the model for everyone, so "
+                             "keep it for your own machine or behind --auth. [env MINICPMV_ALLOW_MODEL_SWITCH]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
                         help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")
     return parser

@@ -8,11 +8,12 @@ which a StoppingCriteria reads at every decode step, so `generate()` itself ends
 """
 
 import functools
+import gc
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from app import limits
@@ -20,6 +21,7 @@ from app.config import AppConfig
 from app.engine.gate import GpuGate
 from app.engine.inputs import PreparedInputs, prepare_inputs
 from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
+from app.engine.presets import find_preset
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import SlicePlan, plan_slices
@@ -123,6 +125,8 @@ class ModelManager:
         self.warmup_s = None
         self.gate = GpuGate(max_waiting=config.queue_size)
         self._generation_thread: _GenerationThread | None = None
+        self._ready = threading.Event()  # a model is loaded (cleared while switching)
+        self._version = 0  # bumped by every load, so a request prepared for an older model is prepared again
         self._running = 0  # generate() calls in progress
 
     # Loading ---------------------------------------------------------------------------------------
@@ -134,6 +138,8 @@ class ModelManager:
         dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.processor = load_model_and_processor(
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code)
+        self._version += 1
+        self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
     def warm_up(self) -> float:
@@ -158,7 +164,60 @@ class ModelManager:
     def loaded(self) -> bool:
         return self.model is not None
 
+    def switch(self, model: str) -> dict:
+        """Serve `model` instead of the current one; replies in progress finish first.
+
+        The switch takes the GPU in line like a request: replies in progress complete, later ones wait
+        (new requests wait until a model is ready). If the new model fails to load, the previous one is
+        loaded again and the error is raised.
+        """
+        preset = find_preset(model)
+        if preset is not None and not preset.native:
+            raise UserError(preset.note)
+        ticket = self.gate.join()
+        try:
+            while not self.gate.wait_turn(ticket, timeout=0.5):
+                pass
+        finally:
+            self.gate.leave(ticket)
+        previous = self.config
+        failure = None
+        try:
+            freed = self._unload()
+            self.config = replace(previous, model=model)
+            try:
+                self.load()
+            except Exception as error:
+                failure = error
+                self.config = previous
+                self.load()
+        finally:
+            self.gate.release()
+        self.warm_up()
+        if failure is not None:
+            raise UserError(limits.MSG_SWITCH_FAILED.format(model=model, error=failure, current=previous.model)) from failure
+        return {"freed_gpu_bytes": freed, "warmup_s": self.warmup_s}
+
+    def _unload(self) -> int:
+        """Drop model and processor; GPU bytes released (0 on the CPU)."""
+        import torch
+
+        before = self.gpu_memory_bytes() or 0
+        self._ready.clear()
+        self.model = self.processor = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        freed = before - (self.gpu_memory_bytes() or 0)
+        log.info("Unloaded %s, %.2f GiB of GPU memory released", self.source.name, freed / 2**30)
+        return freed
+
+    def _wait_until_ready(self) -> None:
+        if not self._ready.wait(limits.SWITCH_WAIT_S):
+            raise UserError(limits.MSG_SWITCHING)
+
     def info(self) -> ModelInfo:
+        self._wait_until_ready()
         parameters = sum(p.numel() for p in self.model.parameters())
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return ModelInfo(
@@ -177,7 +236,9 @@ class ModelManager:
 
     def default_settings(self) -> GenerationSettings:
         """The checkpoint's own generation_config as the starting point for every request."""
+        self._wait_until_ready()
         generation = self.model.generation_config
+        preset = find_preset(self.source.name)
         return GenerationSettings(
             max_new_tokens=self.config.max_new_tokens,
             do_sample=bool(generation.do_sample),
@@ -186,6 +247,7 @@ class ModelManager:
             top_k=int(generation.top_k or 0),
             repetition_penalty=float(generation.repetition_penalty or 1.0),
             visual_token_budget=self.config.visual_token_budget,
+            enable_thinking=bool(preset and preset.thinking_by_default),
         )
 
     @property
@@ -202,11 +264,13 @@ class ModelManager:
 
     def plan_images(self, paths: list[str], settings: GenerationSettings) -> SlicePlan:
         """What these images would cost together under `settings`, without running the model."""
+        self._wait_until_ready()
         images = [load_image(path) for path in paths]
         return plan_slices(self.processor.image_processor, [(image.height, image.width) for image in images],
                            settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
+        self._wait_until_ready()
         return prepare_inputs(self.processor, messages, settings, self.max_context_tokens)
 
     def _generate_kwargs(self, prepared: PreparedInputs, settings: GenerationSettings, streamer, stop_event) -> dict:
@@ -233,12 +297,11 @@ class ModelManager:
         import torch
 
         requested_at = time.perf_counter()
+        version = self._version
         prepared = self.prepare(messages, settings)
         prepared_at = time.perf_counter()
-        streamer = _streamer_class()(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
         stop_event = threading.Event()
         failure: list[BaseException] = []
-        kwargs = self._generate_kwargs(prepared, settings, streamer, stop_event)
 
         def run_generate():
             self._running += 1
@@ -259,6 +322,10 @@ class ModelManager:
             self.gate.leave(ticket)  # a no-op once admitted; frees the place when cancelled while waiting
         try:
             started_at = time.perf_counter()
+            if self._version != version:  # the model was switched while this request waited
+                prepared = self.prepare(messages, settings)
+            streamer = _streamer_class()(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+            kwargs = self._generate_kwargs(prepared, settings, streamer, stop_event)
             if self._generation_thread is None:
                 self._generation_thread = _GenerationThread()
             done = self._generation_thread.submit(run_generate)

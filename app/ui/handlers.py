@@ -39,6 +39,16 @@ def _check_upload(path: str) -> None:
         probe_video(path)
 
 
+def model_header(info) -> str:
+    if info.parameters is None:
+        return f"# MiniCPM-V\nModel **{info.name}**, served by the OpenAI-compatible server at `{info.path}`"
+    memory = f"{info.weight_bytes / 2**30:.2f} GiB" if info.weight_bytes >= 2**30 else f"{info.weight_bytes / 2**20:.1f} MiB"
+    warmup = f" · warm-up {info.warmup_s:.2f} s" if info.warmup_s is not None else ""
+    gpu = f" · {info.gpu_memory_bytes / 2**30:.2f} GiB of GPU memory in use" if info.gpu_memory_bytes is not None else ""
+    return (f"# MiniCPM-V\nModel **{info.name}** (`{info.model_type}`) on **{info.device}** · {info.dtype} · "
+            f"{info.parameters / 1e6:,.2f} M parameters · {memory} of weights{gpu}{warmup}")
+
+
 def stats_message(stats: dict, notices: list[str]) -> dict:
     """A collapsible line under the reply: the reader sees it, the model never does (it has metadata)."""
     speed = f" · {stats['tokens_per_s']:.0f} tok/s" if stats["tokens_per_s"] else ""
@@ -225,6 +235,22 @@ class Handlers:
             history.extend({"role": "user", "content": {"path": path}} for path in paths)
         history.append({"role": "user", "content": question})
         return history, ""
+
+    # Model picker -----------------------------------------------------------------------------------
+
+    def switch_model(self, model: str, progress=gr.Progress()):
+        """Load another checkpoint for everyone (only wired with --allow-model-switch)."""
+        if not self.manager.config.allow_model_switch:
+            raise gr.Error(limits.MSG_SWITCH_OFF)
+        model = (model or "").strip()
+        progress(0.1, desc=f"Waiting for replies in progress, then loading {model}…")
+        try:
+            result = self.manager.switch(model)
+        except UserError as error:
+            raise gr.Error(str(error)) from None
+        freed = result["freed_gpu_bytes"] / 2**30
+        gr.Info(f"Now serving {model}" + (f" ({freed:.2f} GiB of GPU memory released)" if freed > 0 else "") + ".")
+        return model_header(self.manager.info())
 
     # API --------------------------------------------------------------------------------------------
 

@@ -6,23 +6,14 @@ import gradio as gr
 
 from app import limits
 from app.chat import THINK_CLOSE, THINK_OPEN
-from app.ui.handlers import SETTING_KEYS, Handlers
+from app.engine.presets import PRESETS
+from app.ui.handlers import SETTING_KEYS, Handlers, model_header
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
 EXAMPLES = os.path.join(ASSETS, "examples")
 CSS_PATH = os.path.join(ASSETS, "style.css")
 MODEL_EVENTS = "model"  # one concurrency group: every event that generates waits for the same model
-
-
-def model_header(info) -> str:
-    if info.parameters is None:
-        return f"# MiniCPM-V\nModel **{info.name}**, served by the OpenAI-compatible server at `{info.path}`"
-    memory = f"{info.weight_bytes / 2**30:.2f} GiB" if info.weight_bytes >= 2**30 else f"{info.weight_bytes / 2**20:.1f} MiB"
-    warmup = f" · warm-up {info.warmup_s:.2f} s" if info.warmup_s is not None else ""
-    gpu = f" · {info.gpu_memory_bytes / 2**30:.2f} GiB of GPU memory in use" if info.gpu_memory_bytes is not None else ""
-    return (f"# MiniCPM-V\nModel **{info.name}** (`{info.model_type}`) on **{info.device}** · {info.dtype} · "
-            f"{info.parameters / 1e6:,.2f} M parameters · {memory} of weights{gpu}{warmup}")
 
 
 def _settings_sidebar(defaults) -> dict:
@@ -84,10 +75,18 @@ def build_demo(manager) -> gr.Blocks:
     respond = on_zero_gpu(handlers.respond)
 
     with gr.Blocks(title="MiniCPM-V demo") as demo:
-        gr.Markdown(model_header(info), elem_id="model-header")
+        header = gr.Markdown(model_header(info), elem_id="model-header")
         if info.random_weights:
             gr.Markdown(limits.MSG_RANDOM_WEIGHTS, elem_id="random-weights")
         sidebar = _settings_sidebar(defaults)
+        if manager.config.allow_model_switch:
+            with gr.Accordion("Model", open=False):
+                model_choice = gr.Dropdown(
+                    [(preset.label, preset.model) for preset in PRESETS], value=info.name, allow_custom_value=True,
+                    label="Checkpoint", info="A preset, any Hub id or a local folder. Changes the model for everyone.")
+                load_model = gr.Button("Load this model")
+            load_model.click(handlers.switch_model, [model_choice], [header], concurrency_id=MODEL_EVENTS,
+                             api_visibility="private")
 
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
@@ -179,6 +178,8 @@ def build_demo(manager) -> gr.Blocks:
         asked_video = video_box.submit(handlers.add_video_question, [video_box, video, video_chat], [video_chat, video_box],
                                        api_visibility="undocumented")
         _wire_answer(asked_video, respond, video_chat, settings, video_box, concurrency)
+
+        demo.load(lambda: model_header(manager.info()), None, [header], api_visibility="private")
 
         # The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask").
         api_button.click(on_zero_gpu(handlers.ask), [api_text, api_files, api_settings, api_conversation],

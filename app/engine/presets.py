@@ -1,0 +1,30 @@
+"""Known MiniCPM-V checkpoints and what they can do. Any other Hub id or local folder loads too."""
+
+from dataclasses import dataclass
+
+from app.config import TINY_RANDOM
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: str
+    label: str
+    native: bool  # loads in this app's transformers; False: serve it elsewhere and use --backend openai
+    video: bool = True
+    thinking: bool = True  # the chat template takes enable_thinking
+    thinking_by_default: bool = False
+    note: str = ""
+
+
+PRESETS = (
+    Preset("openbmb/MiniCPM-V-4.6", "MiniCPM-V 4.6 (1.3 B)", native=True),
+    Preset("openbmb/MiniCPM-V-4.6-Thinking", "MiniCPM-V 4.6 Thinking", native=True, thinking_by_default=True),
+    Preset("openbmb/MiniCPM-V-2_6", "MiniCPM-V 2.6 (8 B)", native=False, thinking=False,
+           note="MiniCPM-V 2.6's Hub code predates transformers 5: serve it with vLLM, SGLang or Ollama "
+                "and start this app with --backend openai (see the README)."),
+    Preset(TINY_RANDOM, "tiny random (for tests)", native=True),
+)
+
+
+def find_preset(model: str) -> Preset | None:
+    return next((preset for preset in PRESETS if preset.model == model), None)
