@@ -2,6 +2,7 @@
 
 import threading
 from collections import deque
+from typing import Iterator
 
 from app import limits
 from app.errors import UserError
@@ -31,6 +32,19 @@ class GpuGate:
                 self._busy = True
                 return True
             return False
+
+    def line_up(self) -> Iterator[int]:
+        """Join the line and wait for the GPU, yielding how many are ahead every half second.
+
+        When the iteration ends the caller holds the GPU and must release() it; closing the iterator
+        earlier gives the place up.
+        """
+        ticket = self.join()
+        try:
+            while not self.wait_turn(ticket, timeout=0.5):
+                yield self.ahead_of(ticket)
+        finally:
+            self.leave(ticket)  # a no-op once admitted
 
     def ahead_of(self, ticket) -> int:
         with self._changed:

@@ -174,12 +174,8 @@ class ModelManager:
         preset = find_preset(model)
         if preset is not None and not preset.native:
             raise UserError(preset.note)
-        ticket = self.gate.join()
-        try:
-            while not self.gate.wait_turn(ticket, timeout=0.5):
-                pass
-        finally:
-            self.gate.leave(ticket)
+        for _ in self.gate.line_up():
+            pass
         previous = self.config
         failure = None
         try:
@@ -314,12 +310,8 @@ class ModelManager:
                 self._running -= 1
                 streamer.end()
 
-        ticket = self.gate.join()
-        try:
-            while not self.gate.wait_turn(ticket, timeout=0.5):
-                yield ReplyUpdate(text="", waiting_ahead=self.gate.ahead_of(ticket))
-        finally:
-            self.gate.leave(ticket)  # a no-op once admitted; frees the place when cancelled while waiting
+        for ahead in self.gate.line_up():
+            yield ReplyUpdate(text="", waiting_ahead=ahead)
         try:
             started_at = time.perf_counter()
             if self._version != version:  # the model was switched while this request waited
