@@ -41,6 +41,21 @@ class ReplyUpdate:
     waiting_ahead: int | None = None  # set while the request waits in line: requests ahead of it
 
 
+def timing_stats(new_tokens: int, requested_at: float, prepared_at: float, started_at: float,
+                 first_token_at: float | None, finished_at: float) -> dict:
+    """The timing part of a reply's stats, from perf_counter() readings; tokens_per_s is the decode rate."""
+    first = first_token_at or finished_at
+    decode_s = finished_at - first
+    return {
+        "new_tokens": new_tokens,
+        "ttft_ms": round((first - requested_at) * 1000, 1),
+        "preprocess_ms": round((prepared_at - requested_at) * 1000, 1),
+        "queue_ms": round((started_at - prepared_at) * 1000, 1),
+        "tokens_per_s": round((new_tokens - 1) / decode_s, 1) if new_tokens > 1 and decode_s > 0 else None,
+        "total_ms": round((finished_at - requested_at) * 1000, 1),
+    }
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -92,7 +107,7 @@ class _GenerationThread:
     """One long-lived thread runs every generate() call.
 
     CUDA libraries keep per-thread state (cuDNN attention graphs, library handles): a fresh thread per
-    request rebuilt it for every new sequence length and decoded about 2x slower on an H200
+    request rebuilt it for every new sequence length and decoded about 3x slower on an H200
     (benchmarks/RESULTS.md).
     """
 
@@ -335,20 +350,13 @@ class ModelManager:
         finished_at = time.perf_counter()
         if failure:
             self._raise_for(failure[0])
-        first = streamer.first_token_at or finished_at
-        decode_s = finished_at - first
         stats = {
             "visual_tokens": prepared.visual_tokens,
             "image_tokens": prepared.image_tokens,
             "video_tokens": prepared.video_tokens,
             "video_frames": prepared.video_frames,
             "prompt_tokens": prepared.prompt_tokens,
-            "new_tokens": streamer.new_tokens,
-            "ttft_ms": round((first - requested_at) * 1000, 1),
-            "preprocess_ms": round((prepared_at - requested_at) * 1000, 1),
-            "queue_ms": round((started_at - prepared_at) * 1000, 1),
-            "tokens_per_s": round((streamer.new_tokens - 1) / decode_s, 1) if streamer.new_tokens > 1 and decode_s > 0 else None,
-            "total_ms": round((finished_at - requested_at) * 1000, 1),
+            **timing_stats(streamer.new_tokens, requested_at, prepared_at, started_at, streamer.first_token_at, finished_at),
         }
         yield ReplyUpdate(text=text, notices=prepared.notices, opens_thinking=prepared.opens_thinking, stats=stats)
 

@@ -15,7 +15,7 @@ from typing import Iterator
 
 from app import limits
 from app.config import AppConfig
-from app.engine.manager import ModelInfo, ReplyUpdate
+from app.engine.manager import ModelInfo, ReplyUpdate, timing_stats
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.images import load_image
@@ -170,22 +170,15 @@ class OpenAIEngine:
         finally:
             with self._running_lock:
                 self._running -= 1
-        finished_at = time.perf_counter()
-        first_at = first_at or finished_at
-        new_tokens = usage.get("completion_tokens", chunks)
-        decode_s = finished_at - first_at
         stats = {
             "visual_tokens": None,  # counted by the server
             "image_tokens": [],
             "video_tokens": None,
             "video_frames": frames,
             "prompt_tokens": usage.get("prompt_tokens"),
-            "new_tokens": new_tokens,
-            "ttft_ms": round((first_at - requested_at) * 1000, 1),
-            "preprocess_ms": round((prepared_at - requested_at) * 1000, 1),
-            "queue_ms": 0.0,
-            "tokens_per_s": round((new_tokens - 1) / decode_s, 1) if new_tokens > 1 and decode_s > 0 else None,
-            "total_ms": round((finished_at - requested_at) * 1000, 1),
+            # The server queues on its own side: from here, waiting is part of the time to first token.
+            **timing_stats(usage.get("completion_tokens", chunks), requested_at, prepared_at, prepared_at, first_at,
+                           time.perf_counter()),
         }
         yield ReplyUpdate(text=self._joined(reasoning, text), stats=stats)
 
