@@ -46,9 +46,16 @@ DEFAULT_MAX_NEW_TOKENS = 1024
 MAX_NEW_TOKENS = _limit("MAX_NEW_TOKENS", 8192)
 
 # Serving.
-DEFAULT_QUEUE_SIZE = 64  # requests waiting for the model; one more is told the demo is busy
-# How long a finished or stopped request may take to leave the GPU before we report it stuck.
-WORKER_JOIN_TIMEOUT_S = 30.0
+DEFAULT_QUEUE_SIZE = 64  # requests waiting while the batch is full; one more is told the demo is busy
+DEFAULT_MAX_BATCH_SIZE = 256  # requests decoded together
+# Prompt tokens prefilled between two decode steps: a crowd arriving at once is admitted over several
+# steps so that replies already running keep streaming.
+PREFILL_TOKENS_PER_STEP = _limit("PREFILL_TOKENS_PER_STEP", 16384)
+WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
+PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
+# A reply's text goes out at most this often (tokens in between are sent together): smooth to read,
+# and hundreds of streams do not flood the server with one event per token.
+STREAM_UPDATE_INTERVAL_S = _limit("STREAM_UPDATE_INTERVAL_S", 0.05)
 
 # External OpenAI-compatible engine.
 ENGINE_READ_TIMEOUT_S = _limit("ENGINE_READ_TIMEOUT_S", 120.0)  # longest silence between two streamed pieces
@@ -77,7 +84,7 @@ MSG_SETTINGS_NOT_OBJECT = "settings must be a JSON object such as {\"max_new_tok
 MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
 MSG_CONTEXT_TRIMMED = "The {count} oldest messages were left out so that the conversation fits the {limit:,}-token context."
 MSG_BUSY = "The demo is busy: {waiting} requests are already waiting. Please try again in a minute."
-MSG_WAITING = "⏳ Waiting for the model: {ahead} request(s) ahead of yours…"
+MSG_WAITING = "⏳ Every place in the batch is taken; waiting for one to free up, {ahead} request(s) ahead of yours…"
 MSG_ENGINE_DOWN = "The model server at {url} is not reachable. It may be starting or down; try again shortly."
 MSG_ENGINE_SLOW = "The model server at {url} sent nothing for {seconds:.0f} s; try again shortly."
 MSG_ENGINE_BROKE = "The model server at {url} stopped answering in the middle of the reply; try again."

@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 from app import limits
-from app.config import AppConfig, parse_config
+from app.config import AppConfig, parse_config, serving_slots
 from app.engine.loader import ModelUnavailable
 from app.engine.manager import ModelManager, get_manager
 from app.zerogpu import on_zero_gpu
@@ -45,12 +45,25 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
     start_upload_cleaner(upload_folder)
     # The model manager keeps the real wait queue (bounded, first come first served, with positions);
     # Gradio's queue only has to let those requests through, and its bound is a backstop.
-    demo.queue(max_size=2 * config.queue_size + 16, default_concurrency_limit=1)
+    demo.queue(max_size=2 * serving_slots(config) + 16, default_concurrency_limit=1)
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
-                prevent_thread_lock=prevent_thread_lock, css_paths=[CSS_PATH], theme=gr.themes.Soft(),
+                prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(),
                 footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
-                max_threads=config.queue_size + 40)
+                max_threads=serving_slots(config) + 40)
+    add_metrics_route(demo.app, manager)
+    if not prevent_thread_lock:
+        demo.block_thread()
     return demo
+
+
+def add_metrics_route(app, manager) -> None:
+    """GET /metrics: the engine's counters in Prometheus text format (counts and timings only, no content)."""
+    from fastapi.responses import PlainTextResponse
+
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(manager.metrics.prometheus(), media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/metrics", metrics, methods=["GET"])
 
 
 def main(argv: list[str] | None = None) -> None:

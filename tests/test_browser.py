@@ -116,7 +116,7 @@ def test_closing_the_tab_stops_generation(browser, server_url, manager):
     page.wait_for_timeout(500)
     page.close()
     assert wait_for(lambda: manager.active_generations == 0, 20)  # the GPU is free again, well before 4000 tokens
-    assert manager.gate.waiting == 0
+    assert manager.scheduler.waiting == 0
 
 
 def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager, monkeypatch):

@@ -1,16 +1,14 @@
 """The model manager: one per process, owns the model and processor, and runs every request.
 
-A request's lifecycle: prepare inputs on the calling thread (CPU work), wait in line for the GPU
-(app.engine.gate: bounded, first come first served, reporting its place), hand `generate()` to the
-manager's one generation thread, which feeds a streamer, yield text as it arrives, release.
-Closing the stream at any point (user pressed Stop, client went away) sets the request's stop event,
-which a StoppingCriteria reads at every decode step, so `generate()` itself ends within one step.
+A request's lifecycle: prepare inputs on the calling thread (CPU work: images decoded and sliced,
+prompt rendered), join the scheduler's bounded wait line (app.engine.scheduler), run in a batch with
+everyone else's requests, turn the tokens it is handed into text as they arrive. Closing the stream at
+any point (user pressed Stop, client went away) marks the request cancelled, and it leaves the batch
+at the next step.
 """
 
-import functools
 import gc
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -18,10 +16,12 @@ from typing import Iterator
 
 from app import limits
 from app.config import AppConfig
-from app.engine.gate import GpuGate
 from app.engine.inputs import PreparedInputs, prepare_inputs
+from app.engine.metrics import EngineMetrics
+from app.engine.batch_runner import BatchRunner
 from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.presets import find_preset
+from app.engine.scheduler import Request, Scheduler
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import SlicePlan, plan_slices
@@ -70,64 +70,26 @@ class ModelInfo:
     gpu_memory_bytes: int | None
 
 
-@functools.cache
-def _streamer_class():
-    from transformers import TextIteratorStreamer
+class _TextAssembler:
+    """Token ids in, text out: holds back a piece that ends inside a multi-byte character, and
+    re-decodes only the tokens since the last line break (decoding is not token-by-token separable)."""
 
-    class CountingStreamer(TextIteratorStreamer):
-        """Also counts generated tokens and notes when the first one arrived."""
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.done_text = ""
+        self.line_tokens: list[int] = []
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.new_tokens = 0
-            self.first_token_at = None
+    def add(self, token: int) -> None:
+        self.line_tokens.append(token)
+        line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True)
+        if line.endswith("\n"):
+            self.done_text += line
+            self.line_tokens = []
 
-        def put(self, value):
-            if not (self.skip_prompt and self.next_tokens_are_prompt):
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                self.new_tokens += value.numel()
-            super().put(value)
-
-    return CountingStreamer
-
-
-def _stop_criteria(stop_event: threading.Event):
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class StopOnEvent(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            return torch.full((input_ids.shape[0],), stop_event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-    return StoppingCriteriaList([StopOnEvent()])
-
-
-class _GenerationThread:
-    """One long-lived thread runs every generate() call.
-
-    CUDA libraries keep per-thread state (cuDNN attention graphs, library handles): a fresh thread per
-    request rebuilt it for every new sequence length and decoded about 3x slower on an H200
-    (benchmarks/RESULTS.md).
-    """
-
-    def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name="generate", daemon=True)
-        self._thread.start()
-
-    def submit(self, job) -> threading.Event:
-        done = threading.Event()
-        self._jobs.put((job, done))
-        return done
-
-    def _serve(self) -> None:
-        while True:
-            job, done = self._jobs.get()
-            try:
-                job()
-            finally:
-                done.set()
+    @property
+    def text(self) -> str:
+        line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True) if self.line_tokens else ""
+        return self.done_text + line.rstrip("\ufffd")
 
 
 class ModelManager:
@@ -138,11 +100,12 @@ class ModelManager:
         self.source: ModelSource | None = None
         self.device = None
         self.warmup_s = None
-        self.gate = GpuGate(max_waiting=config.queue_size)
-        self._generation_thread: _GenerationThread | None = None
+        self.metrics = EngineMetrics()
+        self.metrics.gauges["gpu_memory_bytes"] = self.gpu_memory_bytes
+        self.scheduler = Scheduler(config.max_batch_size, config.queue_size, self.metrics)
         self._ready = threading.Event()  # a model is loaded (cleared while switching)
+        self._preparing = threading.BoundedSemaphore(limits.PREPARE_CONCURRENCY)
         self._version = 0  # bumped by every load, so a request prepared for an older model is prepared again
-        self._running = 0  # generate() calls in progress
 
     # Loading ---------------------------------------------------------------------------------------
 
@@ -154,12 +117,19 @@ class ModelManager:
         self.model, self.processor = load_model_and_processor(
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code)
         self._version += 1
+        self.scheduler.attach(BatchRunner(self.model), self._end_token_ids(), self._version)
         self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
     def warm_up(self) -> float:
-        """One short generation with an image, so kernels and caches are ready before the first user."""
+        """Short generations with an image, alone and in waves, so kernels are ready before the first user.
+
+        The waves are there because Triton kernels (flash-linear-attention's, on CUDA) are compiled for
+        each new specialisation of their arguments, the batch size among them: on an H200 the first
+        prefill of a new batch size stalled everyone for seconds.
+        """
         import tempfile
+        from concurrent.futures import ThreadPoolExecutor
 
         from PIL import Image
 
@@ -169,8 +139,15 @@ class ModelManager:
             messages = [{"role": "user", "content": [{"type": "image", "path": file.name},
                                                      {"type": "text", "text": "Describe the image."}]}]
             settings = GenerationSettings(max_new_tokens=4, do_sample=False)
-            for _ in self.stream(messages, settings):
-                pass
+
+            def one_reply(_=None):
+                for _ in self.stream(messages, settings):
+                    pass
+
+            one_reply()
+            for wave in limits.WARM_UP_WAVES:
+                with ThreadPoolExecutor(wave) as pool:
+                    list(pool.map(one_reply, range(wave)))
         self.warmup_s = time.perf_counter() - started
         log.info("Warm-up took %.2f s", self.warmup_s)
         return self.warmup_s
@@ -189,8 +166,9 @@ class ModelManager:
         preset = find_preset(model)
         if preset is not None and not preset.native:
             raise UserError(preset.note)
-        for _ in self.gate.line_up():
-            pass
+        if not self.scheduler.pause(limits.SWITCH_WAIT_S):
+            self.scheduler.resume()
+            raise UserError(limits.MSG_SWITCHING)
         previous = self.config
         failure = None
         try:
@@ -203,7 +181,7 @@ class ModelManager:
                 self.config = previous
                 self.load()
         finally:
-            self.gate.release()
+            self.scheduler.resume()
         self.warm_up()
         if failure is not None:
             raise UserError(limits.MSG_SWITCH_FAILED.format(model=model, error=failure, current=previous.model)) from failure
@@ -215,6 +193,8 @@ class ModelManager:
 
         before = self.gpu_memory_bytes() or 0
         self._ready.clear()
+        self.scheduler.runner.release()
+        self.scheduler.runner = None
         self.model = self.processor = None
         gc.collect()
         if torch.cuda.is_available():
@@ -268,8 +248,15 @@ class ModelManager:
 
     @property
     def active_generations(self) -> int:
-        """generate() calls still running: zero once every request has left the GPU."""
-        return self._running
+        """Requests in the running batch: zero once every request has left the GPU."""
+        return self.scheduler.running
+
+    def _end_token_ids(self):
+        import torch
+
+        end = self.model.generation_config.eos_token_id
+        end = [] if end is None else [end] if isinstance(end, int) else list(end)
+        return torch.tensor(end, dtype=torch.long, device=self.model.device)
 
     # Serving ---------------------------------------------------------------------------------------
 
@@ -282,91 +269,65 @@ class ModelManager:
 
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
         self._wait_until_ready()
-        return prepare_inputs(self.processor, messages, settings, self.max_context_tokens)
-
-    def _generate_kwargs(self, prepared: PreparedInputs, settings: GenerationSettings, streamer, stop_event) -> dict:
-        tensors = {name: value.to(self.model.device) if hasattr(value, "to") else value
-                   for name, value in prepared.tensors.items()}
-        kwargs = dict(
-            **tensors,
-            streamer=streamer,
-            stopping_criteria=_stop_criteria(stop_event),
-            max_new_tokens=settings.max_new_tokens,
-            min_new_tokens=settings.min_new_tokens or None,
-            repetition_penalty=settings.repetition_penalty,
-            downsample_mode=settings.downsample_mode,
-            do_sample=settings.do_sample,
-        )
-        if settings.do_sample:
-            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        return kwargs
+        # A few at a time: hundreds of threads decoding and slicing images at once fight over the GIL
+        # and the CPU cores, and starve the scheduler thread that drives the GPU.
+        with self._preparing:
+            return prepare_inputs(self.processor, messages, settings, self.max_context_tokens)
 
     def stream(self, messages: list[dict], settings: GenerationSettings) -> Iterator[ReplyUpdate]:
         """Stream a reply to `messages`. Raises UserError for bad input and for failures the user should see."""
-        import torch
-
         requested_at = time.perf_counter()
         version = self._version
         prepared = self.prepare(messages, settings)
         prepared_at = time.perf_counter()
-        stop_event = threading.Event()
-        failure: list[BaseException] = []
-
-        def run_generate():
-            self._running += 1
-            try:
-                with torch.inference_mode():
-                    self.model.generate(**kwargs)
-            except BaseException as error:  # reported to the waiting request below
-                failure.append(error)
-            finally:
-                self._running -= 1
-                streamer.end()
-
-        for ahead in self.gate.line_up():
-            yield ReplyUpdate(text="", waiting_ahead=ahead)
+        request = Request(prepared=prepared, settings=settings, version=version, requested_at=requested_at,
+                          prepare_again=lambda: self.prepare(messages, settings))
         try:
-            started_at = time.perf_counter()
-            if self._version != version:  # the model was switched while this request waited
-                prepared = self.prepare(messages, settings)
-            streamer = _streamer_class()(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
-            kwargs = self._generate_kwargs(prepared, settings, streamer, stop_event)
-            if self._generation_thread is None:
-                self._generation_thread = _GenerationThread()
-            done = self._generation_thread.submit(run_generate)
-            text = ""
-            try:
-                for chunk in streamer:
-                    text += chunk
-                    yield ReplyUpdate(text=text, notices=prepared.notices, opens_thinking=prepared.opens_thinking)
-            finally:
-                stop_event.set()
-                if not done.wait(limits.WORKER_JOIN_TIMEOUT_S):
-                    log.error("generate() did not stop within %.0f s", limits.WORKER_JOIN_TIMEOUT_S)
+            self.scheduler.submit(request)
+        except UserError:
+            self.metrics.request_done("busy")
+            raise
+        text = _TextAssembler(self.processor.tokenizer)
+        outcome = "stopped"
+        try:
+            while True:
+                kind, value = request.events.get()
+                if kind == "error":
+                    outcome = "error"
+                    self._raise_for(value)
+                elif kind == "place":
+                    yield ReplyUpdate(text="", waiting_ahead=value)
+                elif kind == "end":
+                    break
+                elif kind == "tokens":
+                    for token in value:
+                        text.add(token)
+                    prepared = request.prepared  # prepared again if the model was switched while it waited
+                    yield ReplyUpdate(text=text.text, notices=prepared.notices, opens_thinking=prepared.opens_thinking)
+            outcome = "finished"
         finally:
-            self.gate.release()
-        finished_at = time.perf_counter()
-        if failure:
-            self._raise_for(failure[0])
+            request.cancelled.set()
+            self.metrics.request_done(outcome)
+        prepared = request.prepared
         stats = {
             "visual_tokens": prepared.visual_tokens,
             "image_tokens": prepared.image_tokens,
             "video_tokens": prepared.video_tokens,
             "video_frames": prepared.video_frames,
             "prompt_tokens": prepared.prompt_tokens,
-            **timing_stats(streamer.new_tokens, requested_at, prepared_at, started_at, streamer.first_token_at, finished_at),
+            **timing_stats(len(request.generated), requested_at, prepared_at, request.started_at,
+                           request.first_token_at, time.perf_counter()),
         }
-        yield ReplyUpdate(text=text, notices=prepared.notices, opens_thinking=prepared.opens_thinking, stats=stats)
+        yield ReplyUpdate(text=text.text, notices=prepared.notices, opens_thinking=prepared.opens_thinking, stats=stats)
 
     def _raise_for(self, error: BaseException) -> None:
         import torch
 
+        if isinstance(error, UserError):
+            raise error
         if isinstance(error, torch.cuda.OutOfMemoryError):
-            torch.cuda.empty_cache()
             raise UserError(limits.MSG_OUT_OF_MEMORY) from error
-        log.error("generate() failed", exc_info=error)
+        log.error("Generation failed", exc_info=error)
         raise UserError(limits.MSG_GENERATION_FAILED.format(error=f"{type(error).__name__}: {error}")) from error
 
 

@@ -16,6 +16,7 @@ from typing import Iterator
 from app import limits
 from app.config import AppConfig
 from app.engine.manager import ModelInfo, ReplyUpdate, timing_stats
+from app.engine.metrics import EngineMetrics
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.images import load_image
@@ -60,6 +61,8 @@ class OpenAIEngine:
         self._loaded = False
         self._running = 0
         self._running_lock = threading.Lock()
+        self.metrics = EngineMetrics()  # requests, errors and time to first token as seen from here
+        self.metrics.gauges["requests_in_flight"] = lambda: self._running
 
     @property
     def loaded(self) -> bool:
@@ -140,6 +143,7 @@ class OpenAIEngine:
         text, reasoning, usage, first_at, chunks = "", "", {}, None, 0
         with self._running_lock:
             self._running += 1
+        outcome = "stopped"
         try:
             with self._client(timeout=limits.ENGINE_READ_TIMEOUT_S) as client, client.stream(
                     "POST", self.base_url + "/chat/completions", json=self._payload(converted, settings)) as response:
@@ -156,18 +160,28 @@ class OpenAIEngine:
                         piece = delta.get("content") or ""
                         thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
                         if piece or thought:
-                            first_at = first_at or time.perf_counter()
+                            if first_at is None:
+                                first_at = time.perf_counter()
+                                self.metrics.first_token(first_at - requested_at)
                             chunks += 1
                             text += piece
                             reasoning += thought
                             yield ReplyUpdate(text=self._joined(reasoning, text))
+            outcome = "finished"
+        except UserError:
+            outcome = "error"
+            raise
         except httpx.ConnectError as error:
+            outcome = "error"
             raise UserError(limits.MSG_ENGINE_DOWN.format(url=self.base_url)) from error
         except httpx.TimeoutException as error:
+            outcome = "error"
             raise UserError(limits.MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
         except (httpx.TransportError, json.JSONDecodeError) as error:
+            outcome = "error"
             raise UserError(limits.MSG_ENGINE_BROKE.format(url=self.base_url)) from error
         finally:
+            self.metrics.request_done(outcome)
             with self._running_lock:
                 self._running -= 1
         stats = {

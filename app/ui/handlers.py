@@ -67,6 +67,23 @@ def stats_message(stats: dict, notices: list[str]) -> dict:
     return {"role": "assistant", "content": "\n\n".join(details), "metadata": {"title": title, "status": "done"}}
 
 
+def load_panel(snapshot: dict) -> str:
+    """The live server panel: the same figures as /metrics, for people rather than scrapers."""
+    def seconds(value):
+        return "–" if value is None else f"≤ {value * 1000:.0f} ms"
+
+    requests = snapshot["requests"]
+    lines = [f"**{snapshot.get('batch_size', snapshot.get('requests_in_flight', 0))}** answering now · "
+             f"**{snapshot.get('queue_depth', 0)}** waiting · **{snapshot['tokens_per_s']:,.0f}** tokens/s (last 10 s)",
+             f"First token p50 {seconds(snapshot['ttft_p50_s'])}, p95 {seconds(snapshot['ttft_p95_s'])} · "
+             f"per token p50 {seconds(snapshot['token_latency_p50_s'])}",
+             f"{requests['finished']:,} answered · {requests['stopped']:,} stopped · {requests['error']:,} errors · "
+             f"{requests['busy']:,} turned away busy · {snapshot['decode_steps']:,} decode steps"]
+    if snapshot.get("gpu_memory_bytes") is not None:
+        lines.append(f"GPU memory in use {snapshot['gpu_memory_bytes'] / 2**30:.2f} GiB")
+    return "  \n".join(lines)
+
+
 def waiting_message(ahead: int) -> dict:
     """Shown in place of the reply while the request waits in line; never part of the conversation."""
     text = limits.MSG_WAITING.format(ahead=ahead)

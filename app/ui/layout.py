@@ -6,8 +6,9 @@ import gradio as gr
 
 from app import limits
 from app.chat import THINK_CLOSE, THINK_OPEN
+from app.config import serving_slots
 from app.engine.presets import PRESETS
-from app.ui.handlers import SETTING_KEYS, Handlers, model_header
+from app.ui.handlers import SETTING_KEYS, Handlers, load_panel, model_header
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
@@ -70,7 +71,7 @@ def build_demo(manager) -> gr.Blocks:
     defaults = manager.default_settings()
     # Enough handlers run at once to fill the manager's line (which orders them and reports their places);
     # past that the manager answers "busy" at once.
-    concurrency = manager.config.queue_size + 1
+    concurrency = serving_slots(manager.config)
     info = manager.info()
     respond = on_zero_gpu(handlers.respond)
 
@@ -79,6 +80,14 @@ def build_demo(manager) -> gr.Blocks:
         if info.random_weights:
             gr.Markdown(limits.MSG_RANDOM_WEIGHTS, elem_id="random-weights")
         sidebar = _settings_sidebar(defaults)
+        with gr.Accordion("Server load", open=False) as load_accordion:
+            load = gr.Markdown(load_panel(manager.metrics.snapshot()), elem_id="server-load")
+        # Refreshed only while someone has the panel open: hundreds of idle tabs should not poll.
+        load_timer = gr.Timer(2.0, active=False)
+        load_timer.tick(lambda: load_panel(manager.metrics.snapshot()), None, [load], api_visibility="private",
+                        show_progress="hidden", queue=False)
+        load_accordion.expand(lambda: gr.Timer(active=True), None, [load_timer], api_visibility="private", queue=False)
+        load_accordion.collapse(lambda: gr.Timer(active=False), None, [load_timer], api_visibility="private", queue=False)
         if manager.config.allow_model_switch:
             with gr.Accordion("Model", open=False):
                 model_choice = gr.Dropdown(

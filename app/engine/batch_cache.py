@@ -1,0 +1,162 @@
+"""Per-sequence model state for the batching engine: one slot per running request.
+
+MiniCPM-V 4.6's text model mixes gated-DeltaNet layers (a fixed-size conv state and recurrent state
+per sequence) with full-attention layers (keys and values growing by one column per token). Every
+layer's state lives here in one tensor per layer, indexed by slot, so any set of sequences can decode
+together whatever their lengths:
+
+- requests admitted together are prefilled together, left-padded to one length (padding is masked
+  out, and the DeltaNet layers zero it, so each row's state is what it would be alone, up to rounding),
+  and each row's state is written into a free slot;
+- a decode step runs slots [0, n) together; each slot writes its new key and value at its own column
+  (its length), and an attention mask limits each slot to its own columns;
+- a finished slot is filled with the last running one, so running slots stay dense.
+
+The views below implement the part of transformers' Cache interface that the Qwen3.5 text layers call.
+Tensors keep their addresses between steps (writes are in place), which CUDA graph replay relies on.
+"""
+
+import torch
+
+
+class SlotStore:
+    def __init__(self, device):
+        self.device = device
+        self.slot_capacity = 0
+        self.column_capacity = 0
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [slots, kv heads, columns, head dim]
+        self.values: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [slots, channels, kernel]
+        self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [slots, heads, key dim, value dim]
+        self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens held per slot
+        self.generation = 0  # bumped whenever tensors are reallocated (captured graphs become stale)
+
+    def reserve(self, slots: int, columns: int) -> None:
+        """Room for `slots` sequences of up to `columns` tokens; grows by doubling, keeps contents."""
+        if slots <= self.slot_capacity and columns <= self.column_capacity:
+            return
+        new_slots = self.slot_capacity if slots <= self.slot_capacity else _grown(self.slot_capacity, slots)
+        new_columns = self.column_capacity if columns <= self.column_capacity else _grown(self.column_capacity, columns)
+        for states in (self.keys, self.values):
+            for layer, old in states.items():
+                states[layer] = _resized(old, (new_slots, old.shape[1], new_columns, old.shape[3]))
+        for states in (self.conv, self.recurrent):
+            for layer, old in states.items():
+                states[layer] = _resized(old, (new_slots, *old.shape[1:]))
+        self.lengths = _resized(self.lengths, (new_slots,))
+        self.slot_capacity, self.column_capacity = new_slots, new_columns
+        self.generation += 1
+
+    def ensure_layer(self, states: dict, layer: int, like: torch.Tensor, columns: bool) -> torch.Tensor:
+        """The layer's tensor, created at first use with the shape and dtype of one sequence's state."""
+        if layer not in states:
+            shape = (self.slot_capacity, like.shape[1], self.column_capacity, like.shape[3]) if columns \
+                else (self.slot_capacity, *like.shape[1:])
+            states[layer] = torch.zeros(shape, dtype=like.dtype, device=self.device)
+            self.generation += 1
+        return states[layer]
+
+    def move(self, source: int, target: int) -> None:
+        """Copy slot `source` into slot `target` (the source is then free)."""
+        columns = int(self.lengths[source])
+        for states in (self.keys, self.values):
+            for tensor in states.values():
+                tensor[target, :, :columns] = tensor[source, :, :columns]
+        for states in (self.conv, self.recurrent):
+            for tensor in states.values():
+                tensor[target] = tensor[source]
+        self.lengths[target] = self.lengths[source]
+
+    def release(self) -> None:
+        """Free all memory (the model is being unloaded)."""
+        self.__init__(self.device)
+
+
+def _grown(current: int, needed: int) -> int:
+    size = max(current, 1)
+    while size < needed:
+        size *= 2
+    return size
+
+
+def _resized(old: torch.Tensor, shape: tuple) -> torch.Tensor:
+    new = torch.zeros(shape, dtype=old.dtype, device=old.device)
+    new[tuple(slice(0, size) for size in old.shape)] = old
+    return new
+
+
+class _CacheView:
+    """What the text layers ask of a cache; subclasses say which slots a forward pass covers."""
+
+    def __init__(self, store: SlotStore):
+        self.store = store
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+
+class PrefillCache(_CacheView):
+    """Fresh sequences run together from their first token, left-padded to one length; row i lands in
+    slot `slots[i]` with its `lengths[i]` real tokens (the last ones of its row)."""
+
+    def __init__(self, store: SlotStore, slots: list[int], lengths: list[int]):
+        super().__init__(store)
+        self.slots = slots
+        self.lengths = lengths
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return None  # fresh sequences: the layer runs its prefill path
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        # Padding inputs are zeroed by the layer, so a short row's tail holds zeros where it would alone.
+        kernel = conv_kernel_size or conv_states.shape[-1]
+        tail = conv_states[..., -kernel:]
+        if tail.shape[-1] < kernel:
+            tail = torch.nn.functional.pad(tail, (kernel - tail.shape[-1], 0))
+        self.store.ensure_layer(self.store.conv, layer_idx, tail, columns=False)[self.slots] = tail
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.store.ensure_layer(self.store.recurrent, layer_idx, recurrent_states, columns=False)[self.slots] = recurrent_states
+        return recurrent_states
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys = self.store.ensure_layer(self.store.keys, layer_idx, key_states, columns=True)
+        values = self.store.ensure_layer(self.store.values, layer_idx, value_states, columns=True)
+        padded = key_states.shape[2]
+        for row, (slot, length) in enumerate(zip(self.slots, self.lengths)):
+            keys[slot, :, :length] = key_states[row, :, padded - length:]
+            values[slot, :, :length] = value_states[row, :, padded - length:]
+        return key_states, value_states
+
+
+class DecodeCache(_CacheView):
+    """Slots [0, n) advancing by one token each; slot i writes at column `positions[i]`."""
+
+    def __init__(self, store: SlotStore, n: int, positions: torch.Tensor):
+        super().__init__(store)
+        self.n = n
+        self.rows = torch.arange(n, device=store.device)
+        self.positions = positions
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self.store.conv[layer_idx][: self.n]  # updated in place by the layer
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.store.recurrent[layer_idx][: self.n]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        state = self.store.recurrent[layer_idx][: self.n]
+        state.copy_(recurrent_states)
+        return state
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys = self.store.keys[layer_idx]
+        values = self.store.values[layer_idx]
+        keys[self.rows, :, self.positions] = key_states[:, :, 0]
+        values[self.rows, :, self.positions] = value_states[:, :, 0]
+        return keys[: self.n], values[: self.n]

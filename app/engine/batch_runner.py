@@ -1,0 +1,217 @@
+"""The model's side of batching: encode media of many requests at once, prefill them together into
+their slots, and run one decode step for every running slot together.
+
+On CUDA the decode step is captured as a CUDA graph per batch-size bucket and replayed: a decode step
+of this model is some 2,000 small kernels, and launching them from Python costs far more than running
+them (about 30 ms a step on an H200 against a 0.36 ms weight-reading floor). Elsewhere it runs eagerly.
+"""
+
+import logging
+
+import torch
+
+from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
+from app.engine.vision_attention import use_grouped_vision_attention
+
+log = logging.getLogger(__name__)
+
+# Batch sizes a captured decode step exists for; a batch runs in the smallest bucket that holds it.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class BatchRunner:
+    def __init__(self, model, use_cuda_graphs: bool | None = None):
+        self.model = model
+        self.device = model.device
+        self.store = SlotStore(self.device)
+        self.language_model = model.model.language_model
+        self.embed = model.get_input_embeddings()
+        self.image_token_id = model.config.image_token_id
+        self.video_token_id = model.config.video_token_id
+        if use_cuda_graphs is None:
+            use_cuda_graphs = self.device.type == "cuda"
+        self.graphs = _DecodeGraphs(self) if use_cuda_graphs else None
+        use_grouped_vision_attention(model)
+
+    # Media ---------------------------------------------------------------------------------------
+
+    def encode_media(self, batch: list[tuple[dict, str]]) -> list[torch.Tensor | None]:
+        """Visual features per request, from (processor tensors, downsample mode) pairs.
+
+        Images of all requests that share a downsample mode go through the vision tower in one call
+        (the model packs any number of images into one sequence); a video is encoded on its own.
+        """
+        features: list[torch.Tensor | None] = [None] * len(batch)
+        by_mode: dict[str, list[int]] = {}
+        for index, (tensors, mode) in enumerate(batch):
+            if tensors.get("pixel_values_videos") is not None:
+                output = self.model.model.get_video_features(
+                    tensors["pixel_values_videos"].to(self.device), tensors["target_sizes_videos"].to(self.device),
+                    downsample_mode=mode)
+                features[index] = torch.cat(output.pooler_output)
+            elif tensors.get("pixel_values") is not None:
+                by_mode.setdefault(mode, []).append(index)
+        for mode, indices in by_mode.items():
+            pixels = torch.cat([batch[i][0]["pixel_values"] for i in indices], dim=-1).to(self.device)
+            sizes = [batch[i][0]["target_sizes"] for i in indices]
+            output = self.model.model.get_image_features(pixels, torch.cat(sizes).to(self.device), downsample_mode=mode)
+            per_image = iter(output.pooler_output)
+            for index, request_sizes in zip(indices, sizes):
+                features[index] = torch.cat([next(per_image) for _ in range(len(request_sizes))])
+        return features
+
+    # Text ----------------------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[tuple[torch.Tensor, torch.Tensor | None]], first_slot: int,
+                columns: int) -> torch.Tensor:
+        """Run new requests' prompts (input ids [1, length], visual features) together into slots
+        first_slot, first_slot + 1, ...; `columns` is room each needs. Next-token logits [requests, vocab]."""
+        count = len(prompts)
+        self.store.reserve(first_slot + count, columns)
+        lengths = [input_ids.shape[1] for input_ids, _ in prompts]
+        padded = max(lengths)
+        embeds = []
+        for input_ids, features in prompts:
+            input_ids = input_ids.to(self.device)
+            row = self.embed(input_ids)
+            if features is not None:
+                placeholders = input_ids == self.image_token_id
+                if self.video_token_id is not None:
+                    placeholders |= input_ids == self.video_token_id
+                row[placeholders] = features.to(row.dtype)
+            embeds.append(torch.nn.functional.pad(row, (0, 0, padded - row.shape[1], 0)))
+        real = torch.tensor([[column >= padded - length for column in range(padded)] for length in lengths],
+                            device=self.device)
+        positions = (real.cumsum(-1) - 1).clamp(min=0)
+        if all(length == padded for length in lengths):
+            masks = {"full_attention": None, "linear_attention": None}  # no padding: plain causal attention
+        else:
+            causal = torch.ones(padded, padded, dtype=torch.bool, device=self.device).tril()
+            # Padding rows see themselves only, so that they stay finite (their output is never used).
+            sees = (causal[None] & real[:, None, :]) | torch.eye(padded, dtype=torch.bool, device=self.device)[None]
+            masks = {"full_attention": sees[:, None], "linear_attention": real.to(embeds[0].dtype)}
+        output = self.language_model(
+            inputs_embeds=torch.cat(embeds),
+            attention_mask=masks,
+            position_ids=positions,
+            past_key_values=PrefillCache(self.store, list(range(first_slot, first_slot + count)), lengths),
+            use_cache=True,
+        )
+        self.store.lengths[first_slot:first_slot + count] = torch.tensor(lengths, device=self.device)
+        return self.model.lm_head(output.last_hidden_state[:, -1])
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One step for slots [0, n) fed `tokens` [n]; next-token logits [n, vocab]."""
+        n = tokens.shape[0]
+        if self.graphs is not None:
+            logits = self.graphs.run(tokens)
+        else:
+            logits = self.decode_step(tokens.to(self.device), self.store.lengths[:n].clone())
+        self.store.lengths[:n] += 1
+        return logits
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The decode computation itself: slot i reads its columns [0, positions[i]] and writes column positions[i]."""
+        columns = torch.arange(self.store.column_capacity, device=self.device)
+        visible = (columns[None, :] <= positions[:, None])[:, None, None, :]
+        output = self.language_model(
+            input_ids=tokens[:, None],
+            attention_mask={"full_attention": visible, "linear_attention": None},
+            position_ids=positions[:, None],
+            past_key_values=DecodeCache(self.store, tokens.shape[0], positions),
+            use_cache=True,
+        )
+        return self.model.lm_head(output.last_hidden_state[:, 0])
+
+    def move(self, source: int, target: int) -> None:
+        self.store.move(source, target)
+
+    def release(self) -> None:
+        self.store.release()
+        if self.graphs is not None:
+            self.graphs.clear()
+
+
+class _DecodeGraphs:
+    """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
+
+    Padding rows decode a dummy token in free slots (their state is overwritten when a request takes
+    the slot). A capture is valid while the store keeps its tensors; growing the store recaptures.
+    """
+
+    def __init__(self, runner: BatchRunner):
+        self.runner = runner
+        self.pool = None
+        self.captured: dict[int, tuple] = {}
+        self.store_generation = None
+
+    def clear(self) -> None:
+        self.captured.clear()
+        self.pool = None
+
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        bucket = next((size for size in GRAPH_BUCKETS if size >= n), None)
+        if bucket is None:  # beyond the largest bucket: no graph, still correct
+            store = self.runner.store
+            return self.runner.decode_step(tokens.to(store.device), store.lengths[:n].clone())
+        store = self.runner.store
+        store.reserve(bucket, store.column_capacity)
+        if self.store_generation != store.generation:
+            self.clear()
+            self.store_generation = store.generation
+        if bucket not in self.captured:
+            self.captured[bucket] = self._capture(bucket)
+        graph, static_tokens, static_positions, static_logits = self.captured[bucket]
+        static_tokens.zero_()
+        static_tokens[:n] = tokens
+        static_positions.zero_()
+        static_positions[:n] = store.lengths[:n]
+        graph.replay()
+        return static_logits[:n]
+
+    def _capture(self, bucket: int):
+        started = torch.cuda.Event(enable_timing=True)
+        ended = torch.cuda.Event(enable_timing=True)
+        started.record()
+        device = self.runner.device
+        static_tokens = torch.zeros(bucket, dtype=torch.long, device=device)
+        static_positions = torch.zeros(bucket, dtype=torch.long, device=device)
+        # Warm-up runs on a side stream, as CUDA graph capture requires; they write only column 0 of
+        # slots at position 0, which hold nothing yet or are overwritten by the real step below.
+        saved = self._save_column_zero(bucket)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.runner.decode_step(static_tokens, static_positions)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_logits = self.runner.decode_step(static_tokens, static_positions)
+        self._restore(saved)
+        ended.record()
+        torch.cuda.synchronize()
+        log.info("Captured the decode step for batch %d in %.0f ms", bucket, started.elapsed_time(ended))
+        return graph, static_tokens, static_positions, static_logits
+
+    def _save_column_zero(self, bucket: int):
+        """The state that capture warm-ups overwrite: every slot's column 0 and its DeltaNet states."""
+        store = self.runner.store
+        return ({layer: (t[:bucket, :, 0].clone(), store.values[layer][:bucket, :, 0].clone()) for layer, t in store.keys.items()},
+                {layer: t[:bucket].clone() for layer, t in store.conv.items()},
+                {layer: t[:bucket].clone() for layer, t in store.recurrent.items()})
+
+    def _restore(self, saved) -> None:
+        store = self.runner.store
+        columns, conv, recurrent = saved
+        for layer, (keys, values) in columns.items():
+            bucket = keys.shape[0]
+            store.keys[layer][:bucket, :, 0] = keys
+            store.values[layer][:bucket, :, 0] = values
+        for layer, state in conv.items():
+            store.conv[layer][: state.shape[0]] = state
+        for layer, state in recurrent.items():
+            store.recurrent[layer][: state.shape[0]] = state

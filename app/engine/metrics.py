@@ -1,0 +1,120 @@
+"""Serving metrics in Prometheus text format (for /metrics) and as a snapshot for the UI's live panel."""
+
+import threading
+import time
+from bisect import bisect_left
+from typing import Callable
+
+TTFT_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
+TOKEN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+OUTCOMES = ("finished", "stopped", "error", "busy")
+
+
+class Histogram:
+    def __init__(self, buckets: tuple):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding the q-quantile (None before any observation)."""
+        if not self.count:
+            return None
+        target, running = q * self.count, 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            running += count
+            if running >= target:
+                return bound
+        return float("inf")
+
+    def lines(self, name: str) -> list[str]:
+        lines, running = [], 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            running += count
+            label = "+Inf" if bound == float("inf") else repr(float(bound))
+            lines.append(f'{name}_bucket{{le="{label}"}} {running}')
+        return lines + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+
+
+class EngineMetrics:
+    """Counters the engine updates as it works; gauges are read from the engine when rendered."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.requests = dict.fromkeys(OUTCOMES, 0)
+        self.decode_steps = 0
+        self.tokens_generated = 0
+        self.prefills = 0
+        self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.token_latency = Histogram(TOKEN_BUCKETS_S)
+        self._recent_tokens: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
+        self.gauges: dict[str, Callable[[], float | None]] = {}
+
+    def request_done(self, outcome: str) -> None:
+        with self._lock:
+            self.requests[outcome] += 1
+
+    def first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def step(self, seconds: float, tokens: int, decode: bool) -> None:
+        """A batch step produced `tokens` tokens (one per row) in `seconds`."""
+        now = time.monotonic()
+        with self._lock:
+            if decode:
+                self.decode_steps += 1
+                self.token_latency.observe(seconds, tokens)
+            else:
+                self.prefills += tokens
+            self.tokens_generated += tokens
+            self._recent_tokens.append((now, tokens))
+            while self._recent_tokens and self._recent_tokens[0][0] < now - 10:
+                self._recent_tokens.pop(0)
+
+    def tokens_per_s(self) -> float:
+        """Aggregate generation rate over the last 10 seconds."""
+        now = time.monotonic()
+        with self._lock:
+            recent = sum(tokens for at, tokens in self._recent_tokens if at >= now - 10)
+        return recent / min(10.0, max(now - self.started, 1e-3))
+
+    def snapshot(self) -> dict:
+        gauges = {name: read() for name, read in self.gauges.items()}
+        rate = round(self.tokens_per_s(), 1)
+        with self._lock:
+            return {
+                **gauges,
+                "tokens_per_s": rate,
+                "requests": dict(self.requests),
+                "decode_steps": self.decode_steps,
+                "tokens_generated": self.tokens_generated,
+                "ttft_p50_s": self.ttft.quantile(0.5),
+                "ttft_p95_s": self.ttft.quantile(0.95),
+                "token_latency_p50_s": self.token_latency.quantile(0.5),
+            }
+
+    def prometheus(self) -> str:
+        gauges = {name: read() for name, read in self.gauges.items()}
+        with self._lock:
+            lines = ["# HELP minicpmv_requests_total Requests by outcome.", "# TYPE minicpmv_requests_total counter"]
+            lines += [f'minicpmv_requests_total{{outcome="{outcome}"}} {count}' for outcome, count in self.requests.items()]
+            lines += ["# HELP minicpmv_decode_steps_total Decode steps run (each serves every sequence in the batch).",
+                      "# TYPE minicpmv_decode_steps_total counter", f"minicpmv_decode_steps_total {self.decode_steps}",
+                      "# HELP minicpmv_tokens_generated_total Tokens generated for all requests.",
+                      "# TYPE minicpmv_tokens_generated_total counter", f"minicpmv_tokens_generated_total {self.tokens_generated}",
+                      "# HELP minicpmv_time_to_first_token_seconds From request to first token, preprocessing included.",
+                      "# TYPE minicpmv_time_to_first_token_seconds histogram", *self.ttft.lines("minicpmv_time_to_first_token_seconds"),
+                      "# HELP minicpmv_token_latency_seconds Time between two tokens of one request (a decode step).",
+                      "# TYPE minicpmv_token_latency_seconds histogram", *self.token_latency.lines("minicpmv_token_latency_seconds")]
+        for name, value in gauges.items():
+            if value is not None:
+                lines += [f"# TYPE minicpmv_{name} gauge", f"minicpmv_{name} {value}"]
+        return "\n".join(lines) + "\n"

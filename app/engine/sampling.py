@@ -1,0 +1,58 @@
+"""Next-token choice for a batch whose rows each have their own decoding settings.
+
+The order follows transformers' generate(): repetition penalty, minimum length (end tokens barred),
+then greedy argmax, or temperature, top-k and top-p before drawing a sample.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+
+
+def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.Tensor | None],
+                barred: list[bool], end_token_ids: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab].
+
+    seen[i]: token ids row i has seen (prompt and reply), needed only when it has a repetition penalty;
+    barred[i]: row i is below its minimum length, so it may not end yet.
+    """
+    logits = logits.float()
+    for row, (settings, tokens) in enumerate(zip(rows, seen)):
+        if settings.repetition_penalty != 1.0 and tokens is not None:
+            picked = logits[row, tokens]
+            logits[row, tokens] = torch.where(picked < 0, picked * settings.repetition_penalty,
+                                              picked / settings.repetition_penalty)
+    barred_rows = [row for row, is_barred in enumerate(barred) if is_barred]
+    if barred_rows and end_token_ids.numel():
+        logits[torch.tensor(barred_rows, device=logits.device)[:, None], end_token_ids[None, :]] = float("-inf")
+    chosen = logits.argmax(dim=-1)
+    sampled = [row for row, settings in enumerate(rows) if settings.do_sample]
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        chosen[index] = _sample(logits[index], [rows[row] for row in sampled])
+    return chosen
+
+
+def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([row.temperature for row in rows], device=device)[:, None]
+    logits = logits / temperature
+    ordered, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=device)[None, :]
+    top_k = torch.tensor([row.top_k or logits.shape[-1] for row in rows], device=device)[:, None]
+    ordered = ordered.masked_fill(rank >= top_k, float("-inf"))
+    top_p = torch.tensor([row.top_p for row in rows], device=device)[:, None]
+    probabilities = ordered.softmax(dim=-1)
+    mass_before = probabilities.cumsum(dim=-1) - probabilities
+    ordered = ordered.masked_fill((mass_before > top_p) & (rank > 0), float("-inf"))
+    picks = torch.multinomial(ordered.softmax(dim=-1), num_samples=1)[:, 0]
+    return order.gather(-1, picks[:, None])[:, 0]

@@ -1,0 +1,262 @@
+"""Where requests wait for the GPU and run together: the batching scheduler.
+
+Continuous batching with joins at step boundaries. One scheduler thread loops:
+
+1. admit waiting requests, first come first served, while slots are free (at most
+   limits.PREFILL_TOKENS_PER_STEP prompt tokens per loop, so replies already running keep streaming
+   while a crowd arrives);
+2. encode the media of everything admitted together, prefill the newcomers together into their slots
+   (app.engine.batch_cache) and choose their first tokens;
+3. run one decode step shared by every running request and hand each its token.
+
+Between steps a request that finished, was stopped, or whose client went away leaves its slot; the
+others never notice. Joining at step boundaries rather than in waves means a newcomer waits for at
+most one step and one prefill wave, not for the longest reply of a wave.
+
+Each request talks to its caller through its own event queue: ("place", requests ahead), ("tokens",
+[ids]), ("end", None) or ("error", exception). The caller turns tokens into text on its own thread.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from app import limits
+from app.engine.inputs import PreparedInputs
+from app.engine.metrics import EngineMetrics
+from app.engine.sampling import RowSettings, next_tokens
+from app.engine.settings import GenerationSettings
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    prepared: PreparedInputs
+    settings: GenerationSettings
+    version: int  # the model load the inputs were prepared for
+    prepare_again: Callable[[], PreparedInputs]  # for a request that waited through a model switch
+    requested_at: float
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started_at: float | None = None
+    first_token_at: float | None = None
+    generated: list[int] = field(default_factory=list)
+    last_token: int | None = None
+    seen: object = None  # token ids seen so far, kept only under a repetition penalty
+    delivered: int = 0  # generated tokens already handed to the caller
+    delivered_at: float = 0.0
+    place: int | None = None
+
+    @property
+    def row(self) -> RowSettings:
+        s = self.settings
+        return RowSettings(s.do_sample, s.temperature, s.top_k, s.top_p, s.repetition_penalty)
+
+    @property
+    def barred_from_ending(self) -> bool:
+        return len(self.generated) < self.settings.min_new_tokens
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, max_waiting: int, metrics: EngineMetrics):
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.runner = None
+        self.version = 0
+        self._end_token_ids = None
+        self._end_token_set: set[int] = set()
+        self._changed = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # request i holds slot i
+        self._paused = False
+        self._thread: threading.Thread | None = None
+        metrics.gauges.update(queue_depth=lambda: self.waiting, batch_size=lambda: self.running)
+
+    # Control -------------------------------------------------------------------------------------
+
+    def attach(self, runner, end_token_ids, version: int) -> None:
+        """Serve with `runner` (a freshly loaded model) from now on."""
+        with self._changed:
+            self.runner, self._end_token_ids, self.version = runner, end_token_ids, version
+            self._end_token_set = set(end_token_ids.tolist())
+            self._paused = False
+            self._changed.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="scheduler", daemon=True)
+            self._thread.start()
+
+    def pause(self, timeout: float) -> bool:
+        """Admit no one new and wait until running requests have finished; False if they did not in time."""
+        with self._changed:
+            self._paused = True
+            return self._changed.wait_for(lambda: not self._running, timeout)
+
+    def resume(self) -> None:
+        with self._changed:
+            self._paused = False
+            self._changed.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        return sum(not request.cancelled.is_set() for request in list(self._waiting))
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, request: Request) -> None:
+        """Put `request` in line; the demo is busy (UserError, at once) when the line is full."""
+        with self._changed:
+            free_slots = 0 if self._paused else max(0, self.max_batch - len(self._running))
+            waiting = self.waiting
+            if waiting >= self.max_waiting + free_slots:
+                raise UserError(limits.MSG_BUSY.format(waiting=waiting))
+            self._waiting.append(request)
+            self._changed.notify_all()
+
+    # The loop ------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while True:
+                admitted = self._next_admissions()
+                try:
+                    if admitted:
+                        self._start(admitted)
+                    self._leave(lambda request: request.cancelled.is_set())
+                    if self._running:
+                        self._decode_step()
+                except Exception as error:  # a failure of the shared step: every running request gets it
+                    log.error("Batch step failed", exc_info=error)
+                    _release_gpu_memory(error)
+                    for request in self._running:
+                        request.events.put(("error", error))
+                    self._leave(lambda request: True)
+
+    def _can_admit(self) -> bool:
+        return bool(self._waiting) and not self._paused and len(self._running) < self.max_batch
+
+    def _next_admissions(self) -> list[Request]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._running or self._can_admit())
+            admitted, prompt_tokens = [], 0
+            while self._can_admit() and len(self._running) + len(admitted) < self.max_batch:
+                if admitted and prompt_tokens + self._waiting[0].prepared.prompt_tokens > limits.PREFILL_TOKENS_PER_STEP:
+                    break
+                request = self._waiting.popleft()
+                if request.cancelled.is_set():
+                    continue
+                admitted.append(request)
+                prompt_tokens += request.prepared.prompt_tokens
+            for place, request in enumerate(self._waiting):
+                if request.place != place:
+                    request.place = place
+                    request.events.put(("place", place))
+            return admitted
+
+    def _start(self, admitted: list[Request]) -> None:
+        now = time.perf_counter()
+        for request in admitted:
+            request.started_at = now
+            if request.version != self.version:
+                try:
+                    request.prepared = request.prepare_again()
+                    request.version = self.version
+                except Exception as error:
+                    request.events.put(("error", error))
+        admitted = [request for request in admitted if request.version == self.version]
+        if not admitted:
+            return
+        try:
+            features = self.runner.encode_media([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted])
+            columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
+            logits = self.runner.prefill([(r.prepared.tensors["input_ids"], f) for r, f in zip(admitted, features)],
+                                         len(self._running), columns)
+        except Exception as error:
+            _release_gpu_memory(error)
+            for request in admitted:
+                request.events.put(("error", error))
+            return
+        for request in admitted:
+            if request.settings.repetition_penalty != 1.0:
+                request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
+        self._running.extend(admitted)
+        chosen = next_tokens(logits, [r.row for r in admitted], [r.seen for r in admitted],
+                             [r.barred_from_ending for r in admitted], self._end_token_ids).tolist()
+        self.metrics.step(0.0, len(admitted), decode=False)
+        for request, token in zip(admitted, chosen):
+            self._take(request, token)
+        self._leave(lambda request: request.last_token is None)
+
+    def _decode_step(self) -> None:
+        import torch
+
+        running = self._running
+        started = time.perf_counter()
+        tokens = torch.tensor([request.last_token for request in running])
+        logits = self.runner.decode(tokens)
+        chosen = next_tokens(logits, [r.row for r in running], [r.seen for r in running],
+                             [r.barred_from_ending for r in running], self._end_token_ids).tolist()
+        self.metrics.step(time.perf_counter() - started, len(running), decode=True)
+        for request, token in zip(running, chosen):
+            self._take(request, token)
+        self._leave(lambda request: request.last_token is None)
+
+    def _take(self, request: Request, token: int) -> None:
+        """Record `token` for its request; a request that ends gets last_token None (it leaves after the step)."""
+        import torch
+
+        ended = token in self._end_token_set
+        if not ended:
+            if request.first_token_at is None:
+                request.first_token_at = time.perf_counter()
+                self.metrics.first_token(request.first_token_at - request.requested_at)
+            request.generated.append(token)
+            if request.seen is not None:
+                request.seen = torch.cat([request.seen, torch.tensor([token], device=request.seen.device)])
+            ended = len(request.generated) >= request.settings.max_new_tokens
+        request.last_token = None if ended else token
+        self._deliver(request, ended)
+
+    @staticmethod
+    def _deliver(request: Request, ended: bool) -> None:
+        """Hand new tokens to the caller: the first at once, then at most every STREAM_UPDATE_INTERVAL_S.
+
+        Waking hundreds of callers at every step would cost the GIL more than the step itself.
+        """
+        now = time.perf_counter()
+        fresh = request.generated[request.delivered:]
+        if fresh and (ended or not request.delivered or now - request.delivered_at >= limits.STREAM_UPDATE_INTERVAL_S):
+            request.events.put(("tokens", fresh))
+            request.delivered, request.delivered_at = len(request.generated), now
+        if ended:
+            request.events.put(("end", None))
+
+    def _leave(self, leaves: Callable[[Request], bool]) -> None:
+        """Free the slots of requests for which `leaves` is true, keeping running slots dense."""
+        with self._changed:
+            for index in reversed(range(len(self._running))):
+                if not leaves(self._running[index]):
+                    continue
+                last = len(self._running) - 1
+                if index != last:
+                    self.runner.move(last, index)
+                    self._running[index] = self._running[last]
+                self._running.pop()
+            self._changed.notify_all()
+
+
+def _release_gpu_memory(error: Exception) -> None:
+    import torch
+
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
