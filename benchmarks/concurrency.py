@@ -4,7 +4,8 @@ Each request: one 1344x1344 image (640 visual tokens), a short question, exactly
 greedy. Each level runs for --duration seconds of new requests, then waits up to --grace seconds for those in
 flight; unfinished ones are reported, not hidden. Two modes:
   --mode engine  the model manager called in-process (what the GPU can do),
-  --mode app     the full app through gradio_client (what a browser user gets).
+  --mode app     the full app through gradio_client (what a browser user gets); the clients run in
+                 processes of their own, so that they do not slow the server down.
 Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
 
     python benchmarks/concurrency.py --levels 1,10,50,100,200 --json results.json
@@ -23,7 +24,8 @@ from contextlib import closing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.single_request import REFERENCE_CONFIG  # noqa: E402
+# Not imported from single_request: client processes re-import this module and should not load torch.
+REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minicpm-v-4.6.config.json")
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -31,6 +33,9 @@ def percentile(values: list[float], fraction: float) -> float | None:
         return None
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 1)
+
+
+CLIENT_PROCESSES = 8  # app mode: gradio_client users are spread over this many processes
 
 
 class Aborted(Exception):
@@ -63,25 +68,22 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
     return round(((first or time.perf_counter()) - started) * 1000, 1), stats["new_tokens"]
 
 
-def run_level(users: int, duration: float, grace: float, make_requester) -> dict:
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+def drive_users(users: int, stop_issuing: float, deadline: float, make_requester) -> tuple[list, list, int]:
+    """`users` threads sending requests back to back until stop_issuing (wall-clock time); what is still in
+    flight at `deadline` is aborted. Returns (ttft ms, latency ms, new tokens, finished at) per request,
+    failures, and the number aborted."""
     results, failures, aborted = [], [], []
     lock = threading.Lock()
     abort = threading.Event()
-    stop_issuing = time.perf_counter() + duration
 
     def user():
         request = make_requester()
-        while time.perf_counter() < stop_issuing:
-            started = time.perf_counter()
+        while time.time() < stop_issuing:
+            started = time.time()
             try:
                 ttft_ms, new_tokens = request(abort)
                 with lock:
-                    results.append((ttft_ms, (time.perf_counter() - started) * 1000, new_tokens, time.perf_counter()))
+                    results.append((ttft_ms, (time.time() - started) * 1000, new_tokens, time.time()))
             except Aborted:
                 with lock:
                     aborted.append(1)
@@ -90,17 +92,67 @@ def run_level(users: int, duration: float, grace: float, make_requester) -> dict
                     failures.append(repr(error)[:200])
                 time.sleep(1.0)
 
-    started = time.perf_counter()
     threads = [threading.Thread(target=user, daemon=True) for _ in range(users)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(max(0.0, stop_issuing + grace - time.perf_counter()))
+        thread.join(max(0.0, deadline - time.time()))
     abort.set()  # what is still waiting or streaming leaves now, so the next level starts clean
     for thread in threads:
         thread.join(60)
-    unfinished = len(aborted)
-    ended = max([r[3] for r in results], default=time.perf_counter())
+    return results, failures, len(aborted)
+
+
+def _app_client_process(url, users, duration, grace, image_path, settings, ready, go, out) -> None:
+    """Clients in a process of their own, so that they do not share the server's GIL."""
+    from gradio_client import Client
+
+    def make_requester():
+        client = Client(url, verbose=False)
+        return lambda abort: app_request(client, image_path, settings, abort)
+
+    ready.put(True)
+    go.wait()
+    started = time.time()
+    out.put(drive_users(users, started + duration, started + duration + grace, make_requester))
+
+
+def run_level(users: int, duration: float, grace: float, make_requester=None, app=None) -> dict:
+    """One level; in-process users call `make_requester`, or `app` = (url, image, settings) runs clients
+    in up to CLIENT_PROCESSES processes."""
+    import multiprocessing
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    if app is None:
+        started = time.time()
+        results, failures, unfinished = drive_users(users, started + duration, started + duration + grace, make_requester)
+    else:
+        context = multiprocessing.get_context("spawn")
+        ready, go, out = context.Queue(), context.Event(), context.Queue()
+        url, image_path, settings = app
+        shares = [users // CLIENT_PROCESSES + (i < users % CLIENT_PROCESSES) for i in range(CLIENT_PROCESSES)]
+        processes = [context.Process(target=_app_client_process,
+                                     args=(url, share, duration, grace, image_path, settings, ready, go, out))
+                     for share in shares if share]
+        for process in processes:
+            process.start()
+        for _ in processes:
+            ready.get(timeout=300)
+        started = time.time()
+        go.set()
+        results, failures, unfinished = [], [], 0
+        for _ in processes:
+            part = out.get(timeout=duration + grace + 180)
+            results += part[0]
+            failures += part[1]
+            unfinished += part[2]
+        for process in processes:
+            process.join(30)
+    ended = max([r[3] for r in results], default=time.time())
     window = ended - started
     ttfts, latencies = [r[0] for r in results], [r[1] for r in results]
     attempted = len(results) + len(failures) + unfinished
@@ -159,21 +211,16 @@ def main() -> None:
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
     messages = [{"role": "user", "content": [{"type": "image", "path": image_path},
                                              {"type": "text", "text": "Describe this image in detail."}]}]
-    if args.mode == "engine":
-        generation = GenerationSettings(**settings)
+    generation = GenerationSettings(**settings)
 
-        def make_requester():
-            return lambda abort: engine_request(manager, messages, generation, abort)
-    else:
-        from gradio_client import Client
+    def make_requester():
+        return lambda abort: engine_request(manager, messages, generation, abort)
 
+    app = None
+    if args.mode == "app":
         from app.main import launch
 
-        url = launch(config, manager, prevent_thread_lock=True).local_url
-
-        def make_requester():
-            client = Client(url, verbose=False)
-            return lambda abort: app_request(client, image_path, settings, abort)
+        app = (launch(config, manager, prevent_thread_lock=True).local_url, image_path, settings)
 
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -183,7 +230,7 @@ def main() -> None:
         "new_tokens": args.new_tokens, "duration_s": args.duration, "levels": [],
     }
     for users in levels:
-        level = run_level(users, args.duration, args.grace, make_requester)
+        level = run_level(users, args.duration, args.grace, make_requester, app)
         report["levels"].append(level)
         print(json.dumps(level), flush=True)
     if args.json:

@@ -1,0 +1,114 @@
+"""The batching engine's decode step alone: milliseconds per step by batch size, eager and CUDA-graph.
+
+Slots are filled with one prefilled prompt (copied slot to slot), then the shared decode step is timed.
+Also checks that the captured step gives the same next tokens as the eager one. Run on a GPU machine:
+
+    python benchmarks/decode_step.py --batches 1,8,32,64,128,200,256 --json decode.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.single_request import REFERENCE_CONFIG  # noqa: E402
+
+
+def timed_steps(step, count: int) -> float:
+    """Milliseconds per call of `step`, after two untimed calls."""
+    import torch
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(count):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / count * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "minicpmv4_6-real-shape-random"))
+    parser.add_argument("--batches", default="1,8,32,64,128,200,256")
+    parser.add_argument("--prompt-tokens", type=int, default=676)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import torch
+
+    from app.config import AppConfig
+    from app.engine.manager import ModelManager
+    from app.engine.random_checkpoint import build_random_checkpoint
+
+    if not os.path.exists(os.path.join(args.checkpoint, "config.json")):
+        with open(REFERENCE_CONFIG) as file:
+            build_random_checkpoint(args.checkpoint, json.load(file), dtype=torch.bfloat16, device="cuda")
+    manager = ModelManager(AppConfig(model=args.checkpoint))
+    manager.load()
+    runner = manager.scheduler.runner
+    batches = [int(b) for b in args.batches.split(",")]
+    room = args.prompt_tokens + 4 * (args.steps + 2) + 16
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
+               "batches": []}
+    with torch.inference_mode():
+        prompt = torch.randint(1000, 100000, (1, args.prompt_tokens))
+        runner.store.reserve(max(batches), room)
+        runner.prefill(prompt, None, 0, room)
+        for slot in range(1, max(batches)):
+            runner.store.move(0, slot)
+        start_lengths = runner.store.lengths.clone()
+
+        def snapshot():
+            store = runner.store
+            return [{k: t.clone() for k, t in d.items()} for d in (store.keys, store.values, store.conv, store.recurrent)]
+
+        def restore(saved):
+            store = runner.store
+            for d, s in zip((store.keys, store.values, store.conv, store.recurrent), saved):
+                for k, t in s.items():
+                    d[k].copy_(t)
+            store.lengths.copy_(start_lengths)
+
+        # The captured step must choose what the eager step chooses.
+        check = min(8, max(batches))
+        tokens = torch.randint(1000, 100000, (check,), device="cuda")
+        saved = snapshot()
+        eager = runner.decode_step(tokens, runner.store.lengths[:check].clone()).float()
+        restore(saved)
+        graphed = runner.graphs.run(tokens).float()
+        restore(saved)
+        results["graph_matches_eager"] = bool((eager.argmax(-1) == graphed.argmax(-1)).all())
+        results["graph_max_abs_logit_diff"] = float((eager - graphed).abs().max())
+        print(json.dumps({k: results[k] for k in ("graph_matches_eager", "graph_max_abs_logit_diff")}), flush=True)
+
+        for batch in batches:
+            tokens = torch.randint(1000, 100000, (batch,), device="cuda")
+            torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            runner.graphs.run(tokens)  # capture outside the timing
+            torch.cuda.synchronize()
+            capture_ms = (time.perf_counter() - started) * 1000
+            restore(saved)
+            graph_ms = timed_steps(lambda: runner.graphs.run(tokens), args.steps)
+            restore(saved)
+            eager_ms = timed_steps(lambda: runner.decode_step(tokens, runner.store.lengths[:batch].clone()), 10)
+            restore(saved)
+            row = {"batch": batch, "graph_ms_per_step": round(graph_ms, 3), "eager_ms_per_step": round(eager_ms, 2),
+                   "graph_tokens_per_s": round(batch / graph_ms * 1000), "first_capture_ms": round(capture_ms),
+                   "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            results["batches"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
