@@ -17,6 +17,7 @@ Each request talks to its caller through its own event queue: ("place", requests
 [ids]), ("end", None) or ("error", exception). The caller turns tokens into text on its own thread.
 """
 
+import functools
 import logging
 import queue
 import threading
@@ -53,7 +54,7 @@ class Request:
     delivered_at: float = 0.0
     place: int | None = None
 
-    @property
+    @functools.cached_property
     def row(self) -> RowSettings:
         s = self.settings
         return RowSettings(s.do_sample, s.temperature, s.top_k, s.top_p, s.repetition_penalty)
