@@ -94,6 +94,17 @@ SWITCH_WAIT_S = _limit("SWITCH_WAIT_S", 600.0)  # how long a request waits for a
 MSG_SWITCHING = "The model is being switched and is not ready yet; try again in a minute."
 MSG_SWITCH_FAILED = "Could not load “{model}” ({error}). Still serving “{current}”."
 MSG_SWITCH_OFF = "Switching models is off; start the app with --allow-model-switch to allow it."
+MSG_MODEL_TYPE_NOT_SERVED = (
+    "This app's engine does not serve model type “{model_type}” yet ({reason}): serve it with vLLM or "
+    "SGLang and start this app with --backend openai (see the README)."
+)
+MSG_TRANSFORMERS_TOO_OLD = (
+    "The installed transformers {installed} cannot read “{model}” (model type “{model_type}”){needed}. "
+    "Upgrade transformers (pip install -U transformers) or pick another checkpoint."
+)
+MSG_QUANT_PACKAGES_MISSING = (
+    "This checkpoint is quantized ({method}) and needs {packages}: pip install --no-deps -r requirements-quant.txt"
+)
 MSG_OUT_OF_MEMORY = "The GPU ran out of memory for this request. Try fewer images, fewer slices or a shorter reply."
 MSG_GENERATION_FAILED = "Generation failed: {error}"
 MSG_MULTI_IMAGE_NEEDS_IMAGES = "Add at least one image to the gallery first."

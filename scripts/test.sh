@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements-test.txt
+# The int4 test quantizes the tiny model with GPT-QModel (see requirements-quant.txt for why --no-deps).
+python -m pip install -q --no-deps -r requirements-quant.txt
 if [ ! -x /usr/bin/chromium ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"

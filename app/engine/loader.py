@@ -3,6 +3,7 @@
 Every checkpoint, the tiny random one included, goes through the same `from_pretrained` calls.
 """
 
+import json
 import logging
 import os
 import socket
@@ -11,6 +12,8 @@ from urllib.parse import urlparse
 
 from app import limits
 from app.config import TINY_RANDOM
+from app.engine.presets import FIRST_TRANSFORMERS, SERVED_MODEL_TYPES, UNSERVED_MODEL_TYPES
+from app.engine.quantized import complete_quantization_config
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -83,24 +86,40 @@ def pick_dtype(requested: str, device: str):
     return getattr(torch, requested)
 
 
+def _declared_model_type(path: str) -> str:
+    try:
+        with open(os.path.join(path, "config.json")) as file:
+            return json.load(file).get("model_type", "unknown")
+    except (OSError, ValueError):
+        return "unknown"
+
+
 def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str,
                               trust_remote_code: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     try:
-        AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     except (KeyError, ValueError) as error:
         import transformers
 
-        raise ModelUnavailable(
-            f"The installed transformers {transformers.__version__} cannot read “{source.name}” ({error}). "
-            "Upgrade transformers (pip install -U transformers) or pick another checkpoint."
-        ) from error
+        model_type = _declared_model_type(source.path)
+        needed = f"; it needs transformers >= {FIRST_TRANSFORMERS[model_type]}" if model_type in FIRST_TRANSFORMERS else ""
+        log.info("AutoConfig could not read %s: %s", source.path, error)
+        raise ModelUnavailable(limits.MSG_TRANSFORMERS_TOO_OLD.format(
+            installed=transformers.__version__, model=source.name, model_type=model_type, needed=needed)) from error
+    if config.model_type not in SERVED_MODEL_TYPES:
+        reason = UNSERVED_MODEL_TYPES.get(config.model_type, "the engine knows the MiniCPM-V 4.6 layout only")
+        raise ModelUnavailable(limits.MSG_MODEL_TYPE_NOT_SERVED.format(model_type=config.model_type, reason=reason))
+    try:
+        complete_quantization_config(source.path, config)
+    except UserError as error:
+        raise ModelUnavailable(str(error)) from error
     processor = AutoProcessor.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     model = AutoModelForImageTextToText.from_pretrained(
         source.path, dtype=dtype, attn_implementation=attn_implementation, device_map=device,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=trust_remote_code, config=config,
     )
     model.eval()
     if str(device).startswith("cuda"):

@@ -210,10 +210,18 @@ class ModelManager:
     def info(self) -> ModelInfo:
         self._wait_until_ready()
         parameters = sum(p.numel() for p in self.model.parameters())
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Quantized layers keep their packed weights in buffers, not parameters.
+        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        dtype = str(self.model.dtype).replace("torch.", "")
+        quantization = getattr(self.model.config, "quantization_config", None)
+        if quantization is not None:
+            quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
+            bits = quantization.get("bits") or ("4" if quantization.get("load_in_4bit") else "?")
+            method = quantization.get("quant_method", "quantized")
+            dtype = f"{getattr(method, 'value', method)} {bits}-bit weights, {dtype} compute"
         return ModelInfo(
             name=self.source.name, path=self.source.path, model_type=self.model.config.model_type,
-            device=str(self.device), dtype=str(self.model.dtype).replace("torch.", ""), parameters=parameters,
+            device=str(self.device), dtype=dtype, parameters=parameters,
             weight_bytes=weight_bytes, random_weights=self.source.random_weights, warmup_s=self.warmup_s,
             gpu_memory_bytes=self.gpu_memory_bytes(),
         )

@@ -1,0 +1,91 @@
+"""int4: a GPTQ checkpoint made here with GPT-QModel loads through the app's normal path and streams."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from gradio_client import Client, handle_file
+
+from app.engine.quantized import complete_quantization_config
+from app.errors import UserError
+from tests.conftest import ROOT, free_port
+
+
+@pytest.fixture(scope="module")
+def gptq_checkpoint(tmp_path_factory):
+    """The tiny random model quantized to GPTQ int4 on the CPU (a subprocess: GPT-QModel patches libraries)."""
+    work = tmp_path_factory.mktemp("gptq")  # GPT-QModel writes a logs/ folder where it runs
+    out = str(work / "tiny-gptq")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "quantize_gptq.py"), "--model", "tiny-random",
+                           "--out", out], cwd=work, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def gptq_app(gptq_checkpoint, tmp_path_factory):
+    """`python app.py --model <the GPTQ folder>`, as a user starts it."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("gptq-app") / "app.log"
+    env = {**os.environ, "GRADIO_SERVER_PORT": str(port)}
+    env.pop("GRADIO_TEMP_DIR", None)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "app.py", "--model", gptq_checkpoint], cwd=ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        try:
+            urllib.request.urlopen(url + "gradio_api/info", timeout=5)
+            break
+        except (urllib.error.URLError, OSError):
+            time.sleep(1)
+    yield url, log_path
+    process.terminate()
+    process.wait(30)
+
+
+def test_the_checkpoint_is_int4_with_16_bit_gates(gptq_checkpoint):
+    with open(os.path.join(gptq_checkpoint, "config.json")) as file:
+        quantization = json.load(file)["quantization_config"]
+    assert quantization["quant_method"] == "gptq" and quantization["bits"] == 4
+
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(gptq_checkpoint, "model.safetensors"), framework="pt") as tensors:
+        names = set(tensors.keys())
+    assert any(name.endswith("mlp.down_proj.qweight") for name in names)
+    assert any(name.endswith("linear_attn.in_proj_a.weight") for name in names)  # left in 16 bits
+
+
+def test_gptq_checkpoint_loads_and_streams_an_answer(gptq_app, red_image):
+    url, log_path = gptq_app
+    job = Client(url, verbose=False).submit("What is in this picture?", [handle_file(red_image)],
+                                            {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False},
+                                            api_name="/ask")
+    updates = list(job)
+    reply, stats = job.result()
+    assert len(updates) >= 2 and reply
+    assert stats["new_tokens"] == 24 and stats["visual_tokens"] == 640
+    page = urllib.request.urlopen(url + "config", timeout=10).read().decode()
+    assert "gptq 4-bit weights" in page  # the header says what is loaded
+
+
+def test_a_missing_quantization_package_is_named():
+    class Config:
+        quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+
+    try:
+        import bitsandbytes  # noqa: F401
+        pytest.skip("bitsandbytes is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(UserError, match="bitsandbytes.*requirements-quant.txt"):
+        complete_quantization_config("/nonexistent", Config())
