@@ -1,4 +1,4 @@
-"""int4: a GPTQ checkpoint made here with GPT-QModel loads through the app's normal path and streams."""
+"""int4: GPTQ and AWQ checkpoints made here with GPT-QModel load through the app's normal path and stream."""
 
 import json
 import os
@@ -16,26 +16,31 @@ from app.errors import UserError
 from tests.conftest import ROOT, free_port
 
 
+@pytest.fixture(scope="module", params=["gptq", "awq"])
+def method(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def gptq_checkpoint(tmp_path_factory):
-    """The tiny random model quantized to GPTQ int4 on the CPU (a subprocess: GPT-QModel patches libraries)."""
-    work = tmp_path_factory.mktemp("gptq")  # GPT-QModel writes a logs/ folder where it runs
-    out = str(work / "tiny-gptq")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "quantize_gptq.py"), "--model", "tiny-random",
-                           "--out", out], cwd=work, capture_output=True, text=True, timeout=600)
+def int4_checkpoint(method, tmp_path_factory):
+    """The tiny random model quantized to int4 on the CPU (a subprocess: GPT-QModel patches libraries)."""
+    work = tmp_path_factory.mktemp(method)  # GPT-QModel writes a logs/ folder where it runs
+    out = str(work / f"tiny-{method}")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "quantize.py"), "--model", "tiny-random",
+                           "--method", method, "--out", out], cwd=work, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
 
 
 @pytest.fixture(scope="module")
-def gptq_app(gptq_checkpoint, tmp_path_factory):
-    """`python app.py --model <the GPTQ folder>`, as a user starts it."""
+def int4_app(int4_checkpoint, tmp_path_factory):
+    """`python app.py --model <the int4 folder>`, as a user starts it."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("gptq-app") / "app.log"
     env = {**os.environ, "GRADIO_SERVER_PORT": str(port)}
     env.pop("GRADIO_TEMP_DIR", None)
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "app.py", "--model", gptq_checkpoint], cwd=ROOT, stdout=log,
+        process = subprocess.Popen([sys.executable, "app.py", "--model", int4_checkpoint], cwd=ROOT, stdout=log,
                                    stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + 180
@@ -52,21 +57,21 @@ def gptq_app(gptq_checkpoint, tmp_path_factory):
     process.wait(30)
 
 
-def test_the_checkpoint_is_int4_with_16_bit_gates(gptq_checkpoint):
-    with open(os.path.join(gptq_checkpoint, "config.json")) as file:
+def test_the_checkpoint_is_int4_with_16_bit_gates(int4_checkpoint, method):
+    with open(os.path.join(int4_checkpoint, "config.json")) as file:
         quantization = json.load(file)["quantization_config"]
-    assert quantization["quant_method"] == "gptq" and quantization["bits"] == 4
+    assert quantization["quant_method"] == method and quantization["bits"] == 4
 
     from safetensors import safe_open
 
-    with safe_open(os.path.join(gptq_checkpoint, "model.safetensors"), framework="pt") as tensors:
+    with safe_open(os.path.join(int4_checkpoint, "model.safetensors"), framework="pt") as tensors:
         names = set(tensors.keys())
     assert any(name.endswith("mlp.down_proj.qweight") for name in names)
     assert any(name.endswith("linear_attn.in_proj_a.weight") for name in names)  # left in 16 bits
 
 
-def test_gptq_checkpoint_loads_and_streams_an_answer(gptq_app, red_image):
-    url, log_path = gptq_app
+def test_int4_checkpoint_loads_and_streams_an_answer(int4_app, method, red_image):
+    url, log_path = int4_app
     job = Client(url, verbose=False).submit("What is in this picture?", [handle_file(red_image)],
                                             {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False},
                                             api_name="/ask")
@@ -75,7 +80,7 @@ def test_gptq_checkpoint_loads_and_streams_an_answer(gptq_app, red_image):
     assert len(updates) >= 2 and reply
     assert stats["new_tokens"] == 24 and stats["visual_tokens"] == 640
     page = urllib.request.urlopen(url + "config", timeout=10).read().decode()
-    assert "gptq 4-bit weights" in page  # the header says what is loaded
+    assert f"{method} 4-bit weights" in page  # the header says what is loaded
 
 
 def test_a_missing_quantization_package_is_named():

@@ -2,9 +2,9 @@
 
 GPTQ (and AWQ) checkpoints load through GPT-QModel + optimum (requirements-quant.txt). GPT-QModel's own
 exports say how weights were quantized but not which linear layers were: it leaves small ones, such as
-the DeltaNet gates `in_proj_a` / `in_proj_b`, in 16 bits. Told nothing, transformers (through optimum)
-converts every linear layer of each block and fails on those. The quantized layers are the ones whose
-weights come as `qweight`, so they are read from the checkpoint's tensor names.
+the DeltaNet gates `in_proj_a` / `in_proj_b`, in 16 bits. Told nothing, transformers converts every
+linear layer (of each block for GPTQ, everywhere for AWQ) and fails on those. The quantized layers are
+the ones whose weights come as `qweight`, so they are read from the checkpoint's tensor names.
 """
 
 import glob
@@ -15,7 +15,7 @@ import re
 from app import limits
 from app.errors import UserError
 
-_BLOCK_LAYER = re.compile(r"^(.*\.layers)\.\d+\.(.+)\.qweight$")
+_BLOCK_LAYER = re.compile(r"^(.*\.layers)\.\d+\.(.+)$")
 # quant_method -> Python packages it needs
 _NEEDS = {"gptq": ("gptqmodel", "optimum"), "awq": ("gptqmodel",), "bitsandbytes": ("bitsandbytes",)}
 
@@ -30,18 +30,30 @@ def complete_quantization_config(path: str, config) -> None:
     missing = [package for package in _NEEDS.get(method, ()) if importlib.util.find_spec(package) is None]
     if missing:
         raise UserError(limits.MSG_QUANT_PACKAGES_MISSING.format(method=method, packages=", ".join(missing)))
-    if method != "gptq" or settings.get("modules_in_block_to_quantize"):
-        return
-    blocks, modules = set(), set()
-    for file in glob.glob(os.path.join(path, "*.safetensors")):
-        from safetensors import safe_open
+    quantized, plain = _weight_modules(path)
+    if not quantized:
+        return  # not a layout we can read: transformers gets the config as it is
+    if method == "gptq" and not settings.get("modules_in_block_to_quantize"):
+        blocks = {match.group(1) for match in map(_BLOCK_LAYER.match, quantized) if match}
+        if len(blocks) == 1:
+            modules = {match.group(2) for match in map(_BLOCK_LAYER.match, quantized) if match}
+            config.quantization_config = {**settings, "block_name_to_quantize": blocks.pop(),
+                                          "modules_in_block_to_quantize": [sorted(modules)]}
+    elif method == "awq" and not settings.get("modules_to_not_convert"):
+        config.quantization_config = {**settings, "modules_to_not_convert": sorted(plain)}
 
+
+def _weight_modules(path: str) -> tuple[set[str], set[str]]:
+    """Names of the modules stored quantized (`qweight`) and of those stored plain (`weight`)."""
+    from safetensors import safe_open
+
+    quantized, plain = set(), set()
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
         with safe_open(file, framework="pt") as tensors:
             for name in tensors.keys():
-                match = _BLOCK_LAYER.match(name)
-                if match:
-                    blocks.add(match.group(1))
-                    modules.add(match.group(2))
-    if len(blocks) == 1:  # otherwise not a layout we can read: transformers gets the config as it is
-        config.quantization_config = {**settings, "block_name_to_quantize": blocks.pop(),
-                                      "modules_in_block_to_quantize": [sorted(modules)]}
+                module, _, kind = name.rpartition(".")
+                if kind == "qweight":
+                    quantized.add(module)
+                elif kind == "weight":
+                    plain.add(module)
+    return quantized, plain - quantized

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 
 # Bump when the checkpoint's contents change, so stale caches are rebuilt rather than reused.
-TINY_RANDOM_VERSION = "v3"
+TINY_RANDOM_VERSION = "v4"
 
 PROCESSOR_TOKENS = {
     "image_token": "<|image_pad|>",
@@ -91,9 +91,10 @@ TINY_TEXT_CONFIG = {
     "layer_types": ["linear_attention", "full_attention"],
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "head_dim": 32,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
+    # Output sizes of every linear layer are multiples of 64, as GPT-QModel's CPU kernels and AWQ need.
+    "head_dim": 64,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 2,
     "linear_conv_kernel_dim": 4,

@@ -1,11 +1,12 @@
-"""Quantize a MiniCPM-V 4.6 checkpoint to GPTQ int4 with GPT-QModel (needs requirements-quant.txt).
+"""Quantize a MiniCPM-V 4.6 checkpoint to int4 (GPTQ or AWQ) with GPT-QModel (needs requirements-quant.txt).
 
 Calibration uses the example images in assets/examples with a few questions and answers. The result is
 a folder the app loads like any checkpoint (`python app.py --model OUT`). GPT-QModel also writes a
 logs/ folder where it runs.
 
-    python scripts/quantize_gptq.py --model tiny-random --out /tmp/tiny-gptq        # seconds, on the CPU
-    python scripts/quantize_gptq.py --model openbmb/MiniCPM-V-4.6 --out minicpmv46-gptq --device cuda
+    python scripts/quantize.py --model tiny-random --out /tmp/tiny-gptq                 # seconds, on the CPU
+    python scripts/quantize.py --model tiny-random --method awq --out /tmp/tiny-awq
+    python scripts/quantize.py --model openbmb/MiniCPM-V-4.6 --out MiniCPM-V-4.6-GPTQ --device cuda
 """
 
 import argparse
@@ -37,16 +38,19 @@ def calibration_conversations(samples: int) -> list[list[dict]]:
     return conversations
 
 
-def quantize(model: str, out: str, bits: int = 4, group_size: int = 32, samples: int = 8, device: str = "cpu") -> str:
-    """Quantize `model` (Hub id, folder or tiny-random) into the folder `out`; returns `out`."""
+def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_size: int = 32, samples: int = 8,
+             device: str = "cpu") -> str:
+    """Quantize `model` (Hub id, folder or tiny-random) with `method` into the folder `out`; returns `out`."""
     # GPT-QModel sizes a worker pool from the CPU count and refuses to start on a 1-2 core machine.
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.quantization.config import AWQConfig
 
     from app.engine.loader import resolve_model
 
     source = resolve_model(model)
-    quantizer = GPTQModel.load(source.path, QuantizeConfig(bits=bits, group_size=group_size), device=device)
+    settings = (AWQConfig if method == "awq" else QuantizeConfig)(bits=bits, group_size=group_size)
+    quantizer = GPTQModel.load(source.path, settings, device=device)
     quantizer.quantize(calibration_conversations(samples), batch_size=1)
     quantizer.save(out)
     return out
@@ -56,12 +60,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--method", choices=["gptq", "awq"], default="gptq")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    print(quantize(args.model, args.out, args.bits, args.group_size, args.samples, args.device))
+    print(quantize(args.model, args.out, args.method, args.bits, args.group_size, args.samples, args.device))
 
 
 if __name__ == "__main__":
