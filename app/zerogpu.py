@@ -3,9 +3,13 @@
 import os
 
 
+def zero_gpu_enabled() -> bool:
+    return bool(os.environ.get("SPACES_ZERO_GPU"))
+
+
 def on_zero_gpu(function):
     """Run `function` (a whole streaming generator included) under spaces.GPU on ZeroGPU; elsewhere, unchanged."""
-    if not os.environ.get("SPACES_ZERO_GPU"):
+    if not zero_gpu_enabled():
         return function
     import spaces
 

@@ -168,3 +168,22 @@ def test_metrics_endpoint_speaks_prometheus(server_url, client, red_image):
         assert name in text
     assert metric(server_url, "minicpmv_queue_depth") == 0
     assert float(re.search(r'^minicpmv_requests_total\{outcome="finished"\} (\S+)$', text, re.MULTILINE).group(1)) >= 1
+
+
+def test_inline_scheduler_for_zero_gpu_serves_from_the_callers_threads(manager, tmp_path, monkeypatch):
+    """On ZeroGPU the GPU exists only inside the request handlers, so they run the loop themselves."""
+    from app.engine.manager import ModelManager
+
+    monkeypatch.setenv("SPACES_ZERO_GPU", "1")
+    inline = ModelManager(manager.config)
+    inline.load()
+    assert inline.scheduler.inline and inline.scheduler.runner.graphs is None
+    conversations = {i: user(f"Question {i} about this picture?",
+                             ("image", make_image(tmp_path, f"z{i}.png", (100 + 150 * i, 200), (60 * i, 20, 200))))
+                     for i in range(4)}
+    settings = greedy(32)
+    threads_before = {thread.name for thread in threading.enumerate()}
+    together = all_at_once(inline, conversations, settings)
+    assert "scheduler" not in {thread.name for thread in threading.enumerate()} - threads_before
+    assert together == {key: reply(manager, messages, settings) for key, messages in conversations.items()}
+    assert inline.metrics.decode_steps < 4 * 31  # they still shared steps

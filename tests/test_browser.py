@@ -139,3 +139,19 @@ def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager
     assert page.locator("#chat script, #chat iframe, #chat img, #chat [onerror]").count() == 0
     assert page.get_by_text('<script>window.__pwned = 1</script><img src="x"').count() == 1  # shown as text
     page.close()
+
+
+def test_server_load_panel_follows_the_engine(browser, server_url, manager):
+    page = open_page(browser, server_url)
+    page.get_by_text("Server load").click()
+    panel = page.locator("#server-load")
+    assert wait_for(lambda: "answered" in panel.inner_text(), 10)
+    before = manager.metrics.requests["finished"]
+    page.locator("#chat-input textarea").fill("Count to three.")
+    page.locator("#chat-input textarea").press("Enter")
+    assert wait_for(lambda: manager.metrics.requests["finished"] > before, 60)
+    # The panel refreshes itself (every 2 s while open) to the engine's new count.
+    expected = f"{manager.metrics.requests['finished']:,} answered"
+    assert wait_for(lambda: expected in panel.inner_text(), 10), panel.inner_text()
+    assert re.search(r"\d+ answering now · \d+ waiting · [\d,]+ tokens/s", panel.inner_text())
+    page.close()

@@ -24,6 +24,7 @@ from app.engine.presets import find_preset
 from app.engine.scheduler import Request, Scheduler
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
+from app.zerogpu import zero_gpu_enabled
 from app.media.budget import SlicePlan, plan_slices
 from app.media.images import load_image
 
@@ -102,7 +103,7 @@ class ModelManager:
         self.warmup_s = None
         self.metrics = EngineMetrics()
         self.metrics.gauges["gpu_memory_bytes"] = self.gpu_memory_bytes
-        self.scheduler = Scheduler(config.max_batch_size, config.queue_size, self.metrics)
+        self.scheduler = Scheduler(config.max_batch_size, config.queue_size, self.metrics, inline=zero_gpu_enabled())
         self._ready = threading.Event()  # a model is loaded (cleared while switching)
         self._preparing = threading.BoundedSemaphore(limits.PREPARE_CONCURRENCY)
         self._version = 0  # bumped by every load, so a request prepared for an older model is prepared again
@@ -117,7 +118,9 @@ class ModelManager:
         self.model, self.processor = load_model_and_processor(
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code)
         self._version += 1
-        self.scheduler.attach(BatchRunner(self.model), self._end_token_ids(), self._version)
+        # On ZeroGPU each request runs in a fresh GPU worker: captured graphs would not outlive it.
+        runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
+        self.scheduler.attach(runner, self._end_token_ids(), self._version)
         self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
@@ -299,6 +302,8 @@ class ModelManager:
         outcome = "stopped"
         try:
             while True:
+                while self.scheduler.inline and request.events.empty():
+                    self.scheduler.drive()
                 kind, value = request.events.get()
                 if kind == "error":
                     outcome = "error"

@@ -65,8 +65,12 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, max_waiting: int, metrics: EngineMetrics):
+    def __init__(self, max_batch: int, max_waiting: int, metrics: EngineMetrics, inline: bool = False):
         self.max_batch = max_batch
+        # Inline: no thread of its own; the callers waiting for tokens run the loop (drive()). For
+        # ZeroGPU, where the GPU exists only inside the callers' decorated functions.
+        self.inline = inline
+        self._driving = threading.Lock()
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.runner = None
@@ -89,7 +93,7 @@ class Scheduler:
             self._end_token_set = set(end_token_ids.tolist())
             self._paused = False
             self._changed.notify_all()
-        if self._thread is None:
+        if self._thread is None and not self.inline:
             self._thread = threading.Thread(target=self._serve, name="scheduler", daemon=True)
             self._thread.start()
 
@@ -129,26 +133,44 @@ class Scheduler:
 
         with torch.inference_mode():
             while True:
-                admitted = self._next_admissions()
-                try:
-                    if admitted:
-                        self._start(admitted)
-                    self._leave(lambda request: request.cancelled.is_set())
-                    if self._running:
-                        self._decode_step()
-                except Exception as error:  # a failure of the shared step: every running request gets it
-                    log.error("Batch step failed", exc_info=error)
-                    _release_gpu_memory(error)
-                    for request in self._running:
-                        request.events.put(("error", error))
-                    self._leave(lambda request: True)
+                self._iteration(wait=True)
+
+    def drive(self) -> None:
+        """Inline mode: one loop iteration on the calling thread (one caller at a time)."""
+        import torch
+
+        with self._driving, torch.inference_mode():
+            worked = self._iteration(wait=False)
+        if not worked:  # nothing to run (a model switch holds the line): do not spin
+            with self._changed:
+                self._changed.wait(0.05)
+
+    def _iteration(self, wait: bool) -> bool:
+        """Admit, prefill, decode once; False if there was nothing to do."""
+        admitted = self._next_admissions(wait)
+        if not admitted and not self._running:
+            return False
+        try:
+            if admitted:
+                self._start(admitted)
+            self._leave(lambda request: request.cancelled.is_set())
+            if self._running:
+                self._decode_step()
+        except Exception as error:  # a failure of the shared step: every running request gets it
+            log.error("Batch step failed", exc_info=error)
+            _release_gpu_memory(error)
+            for request in self._running:
+                request.events.put(("error", error))
+            self._leave(lambda request: True)
+        return True
 
     def _can_admit(self) -> bool:
         return bool(self._waiting) and not self._paused and len(self._running) < self.max_batch
 
-    def _next_admissions(self) -> list[Request]:
+    def _next_admissions(self, wait: bool) -> list[Request]:
         with self._changed:
-            self._changed.wait_for(lambda: self._running or self._can_admit())
+            if wait:
+                self._changed.wait_for(lambda: self._running or self._can_admit())
             admitted, prompt_tokens = [], 0
             while self._can_admit() and len(self._running) + len(admitted) < self.max_batch:
                 if admitted and prompt_tokens + self._waiting[0].prepared.prompt_tokens > limits.PREFILL_TOKENS_PER_STEP:
