@@ -97,7 +97,7 @@ def test_stop_button_halts_generation(page, manager):
     deadline = time.monotonic() + 10
     while manager.active_generations and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert manager.active_generations == 0  # generate() itself ended, not only the page's loop
+    assert manager.active_generations == 0  # the engine dropped it, not only the page's loop
     page.wait_for_timeout(1000)
     assert page.get_by_text(STATS_LINE).count() == stats_lines  # a stopped reply never finished
     stopped_at = len(chat_text(page))

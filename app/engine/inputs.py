@@ -13,7 +13,7 @@ from app.media.video import sample_video
 
 @dataclass
 class PreparedInputs:
-    tensors: dict  # processor output, ready for generate()
+    tensors: dict  # processor output, ready for the model
     prompt_tokens: int
     image_tokens: list[int] = field(default_factory=list)  # per image, in prompt order
     video_tokens: int = 0

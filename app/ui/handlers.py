@@ -120,7 +120,7 @@ class Handlers:
             settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
             messages = history_to_messages(history)
             history.append({"role": "assistant", "content": ""})
-            # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup stops generate().
+            # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup takes the request out of the batch.
             with closing(self.manager.stream(messages, settings)) as updates:
                 for update in updates:
                     if update.waiting_ahead is not None:

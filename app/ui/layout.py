@@ -59,7 +59,7 @@ def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
 
 
 def _wire_answer(trigger, respond, chatbot, settings, stop_target, concurrency: int):
-    """Stream a reply after `trigger` succeeds; the stop control cancels it, which halts generate() itself."""
+    """Stream a reply after `trigger` succeeds; the stop control cancels it, which takes the request out of the batch."""
     answer = trigger.success(respond, [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
                              concurrency_limit=concurrency, api_visibility="undocumented")
     stop_target.stop(None, None, None, cancels=[answer])
