@@ -15,7 +15,6 @@ Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
