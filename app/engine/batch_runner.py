@@ -152,11 +152,10 @@ class _DecodeGraphs:
 
     def run(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
+        store = self.runner.store
         bucket = next((size for size in GRAPH_BUCKETS if size >= n), None)
         if bucket is None:  # beyond the largest bucket: no graph, still correct
-            store = self.runner.store
             return self.runner.decode_step(tokens.to(store.device), store.lengths[:n].clone())
-        store = self.runner.store
         store.reserve(bucket, store.column_capacity)
         if self.store_generation != store.generation:
             self.clear()

@@ -16,17 +16,17 @@ from typing import Iterator
 
 from app import limits
 from app.config import AppConfig
-from app.engine.inputs import PreparedInputs, prepare_inputs
-from app.engine.metrics import EngineMetrics
 from app.engine.batch_runner import BatchRunner
+from app.engine.inputs import PreparedInputs, prepare_inputs
 from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
+from app.engine.metrics import EngineMetrics
 from app.engine.presets import find_preset
 from app.engine.scheduler import Request, Scheduler
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
-from app.zerogpu import zero_gpu_enabled
 from app.media.budget import SlicePlan, plan_slices
 from app.media.images import load_image
+from app.zerogpu import zero_gpu_enabled
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@
 import threading
 import time
 from bisect import bisect_left
+from collections import deque
 from typing import Callable
 
 TTFT_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
@@ -51,10 +52,9 @@ class EngineMetrics:
         self.requests = dict.fromkeys(OUTCOMES, 0)
         self.decode_steps = 0
         self.tokens_generated = 0
-        self.prefills = 0
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.token_latency = Histogram(TOKEN_BUCKETS_S)
-        self._recent_tokens: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
+        self._recent_tokens: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self.gauges: dict[str, Callable[[], float | None]] = {}
 
     def request_done(self, outcome: str) -> None:
@@ -65,19 +65,17 @@ class EngineMetrics:
         with self._lock:
             self.ttft.observe(seconds)
 
-    def step(self, seconds: float, tokens: int, decode: bool) -> None:
-        """A batch step produced `tokens` tokens (one per row) in `seconds`."""
+    def tokens(self, count: int, decode_seconds: float | None = None) -> None:
+        """A batch step produced `count` tokens (one per row); a decode step also says how long it took."""
         now = time.monotonic()
         with self._lock:
-            if decode:
+            if decode_seconds is not None:
                 self.decode_steps += 1
-                self.token_latency.observe(seconds, tokens)
-            else:
-                self.prefills += tokens
-            self.tokens_generated += tokens
-            self._recent_tokens.append((now, tokens))
+                self.token_latency.observe(decode_seconds, count)
+            self.tokens_generated += count
+            self._recent_tokens.append((now, count))
             while self._recent_tokens and self._recent_tokens[0][0] < now - 10:
-                self._recent_tokens.pop(0)
+                self._recent_tokens.popleft()
 
     def tokens_per_s(self) -> float:
         """Aggregate generation rate over the last 10 seconds."""

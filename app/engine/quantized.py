@@ -34,9 +34,10 @@ def complete_quantization_config(path: str, config) -> None:
     if not quantized:
         return  # not a layout we can read: transformers gets the config as it is
     if method == "gptq" and not settings.get("modules_in_block_to_quantize"):
-        blocks = {match.group(1) for match in map(_BLOCK_LAYER.match, quantized) if match}
+        matches = [match for match in map(_BLOCK_LAYER.match, quantized) if match]
+        blocks = {match.group(1) for match in matches}
         if len(blocks) == 1:
-            modules = {match.group(2) for match in map(_BLOCK_LAYER.match, quantized) if match}
+            modules = {match.group(2) for match in matches}
             config.quantization_config = {**settings, "block_name_to_quantize": blocks.pop(),
                                           "modules_in_block_to_quantize": [sorted(modules)]}
     elif method == "awq" and not settings.get("modules_to_not_convert"):

@@ -213,24 +213,22 @@ class Scheduler:
             if request.settings.repetition_penalty != 1.0:
                 request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
         self._running.extend(admitted)
-        chosen = next_tokens(logits, [r.row for r in admitted], [r.seen for r in admitted],
-                             [r.barred_from_ending for r in admitted], self._end_token_ids).tolist()
-        self.metrics.step(0.0, len(admitted), decode=False)
-        for request, token in zip(admitted, chosen):
-            self._take(request, token)
-        self._leave(lambda request: request.last_token is None)
+        self._hand_out(admitted, logits)
 
     def _decode_step(self) -> None:
         import torch
 
-        running = self._running
         started = time.perf_counter()
-        tokens = torch.tensor([request.last_token for request in running])
-        logits = self.runner.decode(tokens)
-        chosen = next_tokens(logits, [r.row for r in running], [r.seen for r in running],
-                             [r.barred_from_ending for r in running], self._end_token_ids).tolist()
-        self.metrics.step(time.perf_counter() - started, len(running), decode=True)
-        for request, token in zip(running, chosen):
+        logits = self.runner.decode(torch.tensor([request.last_token for request in self._running]))
+        self._hand_out(self._running, logits, decode_started=started)
+
+    def _hand_out(self, requests: list[Request], logits, decode_started: float | None = None) -> None:
+        """Choose each request's next token from its row of `logits`, hand it over, and free the slots of
+        requests that ended; `decode_started` is set for a decode step (timed), not for a prefill."""
+        chosen = next_tokens(logits, [r.row for r in requests], [r.seen for r in requests],
+                             [r.barred_from_ending for r in requests], self._end_token_ids).tolist()
+        self.metrics.tokens(len(requests), None if decode_started is None else time.perf_counter() - decode_started)
+        for request, token in zip(requests, chosen):
             self._take(request, token)
         self._leave(lambda request: request.last_token is None)
 
