@@ -21,6 +21,7 @@ def load_manager(config: AppConfig) -> ModelManager:
         manager.load()
         if config.warmup:
             on_zero_gpu(manager.warm_up)()
+            manager.metrics.reset()  # the panel and /metrics count users' requests, not the warm-up's
     return manager
 
 

@@ -54,6 +54,10 @@ def test_start_from_environment_with_share_keeps_serving_locally(tmp_path):
             except OSError:
                 time.sleep(1)
         assert status == 200, log_path.read_text()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        # The warm-up's requests are not counted as users' requests.
+        assert 'minicpmv_requests_total{outcome="finished"} 0' in metrics
+        assert "minicpmv_decode_steps_total 0" in metrics
         time.sleep(3)  # give the share attempt time to finish
         output = log_path.read_text()
         assert "Warm-up took" in output and "--share without --auth" in output

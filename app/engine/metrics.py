@@ -48,14 +48,19 @@ class EngineMetrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.started = time.monotonic()
-        self.requests = dict.fromkeys(OUTCOMES, 0)
-        self.decode_steps = 0
-        self.tokens_generated = 0
-        self.ttft = Histogram(TTFT_BUCKETS_S)
-        self.token_latency = Histogram(TOKEN_BUCKETS_S)
-        self._recent_tokens: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self.gauges: dict[str, Callable[[], float | None]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Counters and histograms back to zero (gauges stay)."""
+        with self._lock:
+            self.started = time.monotonic()
+            self.requests = dict.fromkeys(OUTCOMES, 0)
+            self.decode_steps = 0
+            self.tokens_generated = 0
+            self.ttft = Histogram(TTFT_BUCKETS_S)
+            self.token_latency = Histogram(TOKEN_BUCKETS_S)
+            self._recent_tokens: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
 
     def request_done(self, outcome: str) -> None:
         with self._lock:
