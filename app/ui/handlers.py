@@ -120,7 +120,8 @@ class Handlers:
             settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
             messages = history_to_messages(history)
             history.append({"role": "assistant", "content": ""})
-            # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup takes the request out of the batch.
+            # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup takes the
+            # request out of the batch.
             with closing(self.manager.stream(messages, settings)) as updates:
                 for update in updates:
                     if update.waiting_ahead is not None:
@@ -252,6 +253,9 @@ class Handlers:
             history.extend({"role": "user", "content": {"path": path}} for path in paths)
         history.append({"role": "user", "content": question})
         return history, ""
+
+    def server_load(self) -> str:
+        return load_panel(self.manager.metrics.snapshot())
 
     # Model picker -----------------------------------------------------------------------------------
 

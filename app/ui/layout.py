@@ -8,7 +8,7 @@ from app import limits
 from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import serving_slots
 from app.engine.presets import PRESETS
-from app.ui.handlers import SETTING_KEYS, Handlers, load_panel, model_header
+from app.ui.handlers import SETTING_KEYS, Handlers, model_header
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
@@ -69,8 +69,8 @@ def _wire_answer(trigger, respond, chatbot, settings, stop_target, concurrency: 
 def build_demo(manager) -> gr.Blocks:
     handlers = Handlers(manager)
     defaults = manager.default_settings()
-    # Enough handlers run at once to fill the manager's line (which orders them and reports their places);
-    # past that the manager answers "busy" at once.
+    # Enough handlers run at once to fill the engine's batch and its wait line (which orders them and
+    # reports their places); past that the engine answers "busy" at once.
     concurrency = serving_slots(manager.config)
     info = manager.info()
     respond = on_zero_gpu(handlers.respond)
@@ -81,11 +81,11 @@ def build_demo(manager) -> gr.Blocks:
             gr.Markdown(limits.MSG_RANDOM_WEIGHTS, elem_id="random-weights")
         sidebar = _settings_sidebar(defaults)
         with gr.Accordion("Server load", open=False) as load_accordion:
-            load = gr.Markdown(load_panel(manager.metrics.snapshot()), elem_id="server-load")
+            load = gr.Markdown(handlers.server_load(), elem_id="server-load")
         # Refreshed only while someone has the panel open: hundreds of idle tabs should not poll.
         load_timer = gr.Timer(2.0, active=False)
-        load_timer.tick(lambda: load_panel(manager.metrics.snapshot()), None, [load], api_visibility="private",
-                        show_progress="hidden", queue=False)
+        load_timer.tick(handlers.server_load, None, [load], api_visibility="private", show_progress="hidden",
+                        queue=False)
         load_accordion.expand(lambda: gr.Timer(active=True), None, [load_timer], api_visibility="private", queue=False)
         load_accordion.collapse(lambda: gr.Timer(active=False), None, [load_timer], api_visibility="private", queue=False)
         if manager.config.allow_model_switch:
