@@ -26,6 +26,7 @@ class AppConfig:
     warmup: bool = True
     auth: str | None = None  # "user:password"
     trust_remote_code: bool = False
+    load_in_4bit: bool = False
     allow_model_switch: bool = False
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-model-switch", action="store_true", default=_env_flag("MINICPMV_ALLOW_MODEL_SWITCH"),
                         help="Show a model picker: whoever uses the page can change the model for everyone, so "
                              "keep it for your own machine or behind --auth. [env MINICPMV_ALLOW_MODEL_SWITCH]")
+    parser.add_argument("--load-in-4bit", action="store_true", default=_env_flag("MINICPMV_LOAD_IN_4BIT"),
+                        help="Quantize the language model's weights to 4 bits (bitsandbytes NF4) while loading a "
+                             "16-bit checkpoint: CUDA only, needs `pip install bitsandbytes`. [env MINICPMV_LOAD_IN_4BIT]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
                         help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")
     return parser

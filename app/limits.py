@@ -105,6 +105,9 @@ MSG_TRANSFORMERS_TOO_OLD = (
 MSG_QUANT_PACKAGES_MISSING = (
     "This checkpoint is quantized ({method}) and needs {packages}: pip install --no-deps -r requirements-quant.txt"
 )
+MSG_4BIT_NEEDS_CUDA = "--load-in-4bit needs a CUDA GPU: bitsandbytes' 4-bit kernels run there."
+MSG_4BIT_NEEDS_BITSANDBYTES = "--load-in-4bit needs bitsandbytes: pip install bitsandbytes"
+MSG_4BIT_ALREADY_QUANTIZED = "{model} is already quantized ({method}): load it without --load-in-4bit."
 MSG_OUT_OF_MEMORY = "The GPU ran out of memory for this request. Try fewer images, fewer slices or a shorter reply."
 MSG_GENERATION_FAILED = "Generation failed: {error}"
 MSG_MULTI_IMAGE_NEEDS_IMAGES = "Add at least one image to the gallery first."

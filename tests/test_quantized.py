@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from gradio_client import Client, handle_file
 
-from app.engine.quantized import complete_quantization_config
+from app.engine.quantized import complete_quantization_config, load_in_4bit_config
 from app.errors import UserError
 from tests.conftest import ROOT, free_port
 
@@ -92,3 +92,24 @@ def test_a_missing_quantization_package_is_named():
         pytest.skip("bitsandbytes is installed here")
     with pytest.raises(UserError, match="bitsandbytes.*requirements-quant.txt"):
         complete_quantization_config("/nonexistent", Config())
+
+
+def test_load_in_4bit_says_what_it_needs(tmp_path):
+    class Plain:
+        quantization_config = None
+
+    class Quantized:
+        quantization_config = {"quant_method": "gptq", "bits": 4}
+
+    with pytest.raises(UserError, match="already quantized \\(gptq\\)"):
+        load_in_4bit_config("some/MiniCPM-V-4.6-GPTQ", Quantized(), "cuda", None)
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
+        load_in_4bit_config("openbmb/MiniCPM-V-4.6", Plain(), "cpu", None)
+    if not importlib.util.find_spec("bitsandbytes"):
+        with pytest.raises(UserError, match="pip install bitsandbytes"):
+            load_in_4bit_config("openbmb/MiniCPM-V-4.6", Plain(), "cuda", None)
+
+    # As a user meets it: the app stops at start with the reason.
+    done = subprocess.run([sys.executable, "app.py", "--model", "tiny-random", "--device", "cpu", "--load-in-4bit"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--load-in-4bit needs a CUDA GPU" in done.stderr

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 from app import limits
 from app.config import TINY_RANDOM
 from app.engine.presets import FIRST_TRANSFORMERS, SERVED_MODEL_TYPES, UNSERVED_MODEL_TYPES
-from app.engine.quantized import complete_quantization_config
+from app.engine.quantized import complete_quantization_config, load_in_4bit_config
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def _declared_model_type(path: str) -> str:
 
 
 def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str,
-                              trust_remote_code: bool = False):
+                              trust_remote_code: bool = False, load_in_4bit: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
@@ -112,14 +112,17 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
     if config.model_type not in SERVED_MODEL_TYPES:
         reason = UNSERVED_MODEL_TYPES.get(config.model_type, "the engine knows the MiniCPM-V 4.6 layout only")
         raise ModelUnavailable(limits.MSG_MODEL_TYPE_NOT_SERVED.format(model_type=config.model_type, reason=reason))
+    quantization = None
     try:
         complete_quantization_config(source.path, config)
+        if load_in_4bit:
+            quantization = load_in_4bit_config(source.name, config, device, dtype)
     except UserError as error:
         raise ModelUnavailable(str(error)) from error
     processor = AutoProcessor.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     model = AutoModelForImageTextToText.from_pretrained(
         source.path, dtype=dtype, attn_implementation=attn_implementation, device_map=device,
-        trust_remote_code=trust_remote_code, config=config,
+        trust_remote_code=trust_remote_code, config=config, quantization_config=quantization,
     )
     model.eval()
     if str(device).startswith("cuda"):

@@ -116,7 +116,8 @@ class ModelManager:
         self.device = pick_device(self.config.device)
         dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.processor = load_model_and_processor(
-            self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code)
+            self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code,
+            self.config.load_in_4bit)
         self._version += 1
         # On ZeroGPU each request runs in a fresh GPU worker: captured graphs would not outlive it.
         runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)

@@ -5,6 +5,8 @@ exports say how weights were quantized but not which linear layers were: it leav
 the DeltaNet gates `in_proj_a` / `in_proj_b`, in 16 bits. Told nothing, transformers converts every
 linear layer (of each block for GPTQ, everywhere for AWQ) and fails on those. The quantized layers are
 the ones whose weights come as `qweight`, so they are read from the checkpoint's tensor names.
+
+A 16-bit checkpoint can also be quantized while it loads (--load-in-4bit, bitsandbytes NF4 on CUDA).
 """
 
 import glob
@@ -18,6 +20,9 @@ from app.errors import UserError
 _BLOCK_LAYER = re.compile(r"^(.*\.layers)\.\d+\.(.+)$")
 # quant_method -> Python packages it needs
 _NEEDS = {"gptq": ("gptqmodel", "optimum"), "awq": ("gptqmodel",), "bitsandbytes": ("bitsandbytes",)}
+# Left in 16 bits by --load-in-4bit: the vision side (run once per request, not per token), the output
+# layer (tied to the embeddings) and the DeltaNet gates (16 rows: nothing to save, precision to lose).
+_KEEP_16_BIT = ["model.vision_tower", "model.merger", "lm_head", "in_proj_a", "in_proj_b"]
 
 
 def complete_quantization_config(path: str, config) -> None:
@@ -58,3 +63,19 @@ def _weight_modules(path: str) -> tuple[set[str], set[str]]:
                 elif kind == "weight":
                     plain.add(module)
     return quantized, plain - quantized
+
+
+def load_in_4bit_config(model: str, config, device: str, dtype):
+    """A bitsandbytes NF4 config quantizing the language model of a 16-bit checkpoint while it loads."""
+    settings = getattr(config, "quantization_config", None)
+    if settings is not None:
+        method = settings.get("quant_method") if isinstance(settings, dict) else settings.quant_method
+        raise UserError(limits.MSG_4BIT_ALREADY_QUANTIZED.format(model=model, method=getattr(method, "value", method)))
+    if not str(device).startswith("cuda"):
+        raise UserError(limits.MSG_4BIT_NEEDS_CUDA)
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(limits.MSG_4BIT_NEEDS_BITSANDBYTES)
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                              llm_int8_skip_modules=_KEEP_16_BIT)
