@@ -46,7 +46,7 @@ def all_at_once(manager, conversations: dict, settings) -> dict:
 
 def metric(server_url: str, name: str) -> float:
     text = urllib.request.urlopen(server_url.rstrip("/") + "/metrics", timeout=10).read().decode()
-    return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
 
 
 def test_greedy_reply_is_the_same_alone_and_in_a_batch(manager, tmp_path):
@@ -167,6 +167,9 @@ def test_metrics_endpoint_speaks_prometheus(server_url, client, red_image):
                  "minicpmv_time_to_first_token_seconds_bucket{le=\"+Inf\"}", "minicpmv_token_latency_seconds_count"):
         assert name in text
     assert metric(server_url, "minicpmv_queue_depth") == 0
+    assert metric(server_url, "minicpmv_prefill_waves_total") >= 1
+    assert metric(server_url, 'minicpmv_engine_busy_seconds_total{phase="prefill"}') > 0
+    assert metric(server_url, 'minicpmv_engine_busy_seconds_total{phase="decode"}') > 0
     assert float(re.search(r'^minicpmv_requests_total\{outcome="finished"\} (\S+)$', text, re.MULTILINE).group(1)) >= 1
 
 

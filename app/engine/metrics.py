@@ -57,6 +57,8 @@ class EngineMetrics:
             self.started = time.monotonic()
             self.requests = dict.fromkeys(OUTCOMES, 0)
             self.decode_steps = 0
+            self.prefill_waves = 0
+            self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # the scheduler's time on the GPU, by phase
             self.tokens_generated = 0
             self.ttft = Histogram(TTFT_BUCKETS_S)
             self.token_latency = Histogram(TOKEN_BUCKETS_S)
@@ -69,6 +71,12 @@ class EngineMetrics:
     def first_token(self, seconds: float) -> None:
         with self._lock:
             self.ttft.observe(seconds)
+
+    def busy(self, phase: str, seconds: float) -> None:
+        """The scheduler spent `seconds` on a prefill wave (media encoding included) or a decode step."""
+        with self._lock:
+            self.busy_seconds[phase] += seconds
+            self.prefill_waves += phase == "prefill"
 
     def tokens(self, count: int, decode_seconds: float | None = None) -> None:
         """A batch step produced `count` tokens (one per row); a decode step also says how long it took."""
@@ -98,6 +106,8 @@ class EngineMetrics:
                 "tokens_per_s": rate,
                 "requests": dict(self.requests),
                 "decode_steps": self.decode_steps,
+                "prefill_waves": self.prefill_waves,
+                "busy_seconds": dict(self.busy_seconds),
                 "tokens_generated": self.tokens_generated,
                 "ttft_p50_s": self.ttft.quantile(0.5),
                 "ttft_p95_s": self.ttft.quantile(0.95),
@@ -111,6 +121,12 @@ class EngineMetrics:
             lines += [f'minicpmv_requests_total{{outcome="{outcome}"}} {count}' for outcome, count in self.requests.items()]
             lines += ["# HELP minicpmv_decode_steps_total Decode steps run (each serves every sequence in the batch).",
                       "# TYPE minicpmv_decode_steps_total counter", f"minicpmv_decode_steps_total {self.decode_steps}",
+                      "# HELP minicpmv_prefill_waves_total Prefill waves run (newcomers encoded and prefilled together).",
+                      "# TYPE minicpmv_prefill_waves_total counter", f"minicpmv_prefill_waves_total {self.prefill_waves}",
+                      "# HELP minicpmv_engine_busy_seconds_total Scheduler time spent running the model, by phase.",
+                      "# TYPE minicpmv_engine_busy_seconds_total counter",
+                      *(f'minicpmv_engine_busy_seconds_total{{phase="{phase}"}} {seconds}'
+                        for phase, seconds in self.busy_seconds.items()),
                       "# HELP minicpmv_tokens_generated_total Tokens generated for all requests.",
                       "# TYPE minicpmv_tokens_generated_total counter", f"minicpmv_tokens_generated_total {self.tokens_generated}",
                       "# HELP minicpmv_time_to_first_token_seconds From request to first token, preprocessing included.",

@@ -152,10 +152,14 @@ class Scheduler:
             return False
         try:
             if admitted:
+                started = time.perf_counter()
                 self._start(admitted)
+                self.metrics.busy("prefill", time.perf_counter() - started)
             self._leave(lambda request: request.cancelled.is_set())
             if self._running:
+                started = time.perf_counter()
                 self._decode_step()
+                self.metrics.busy("decode", time.perf_counter() - started)
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
             _release_gpu_memory(error)
