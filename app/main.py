@@ -27,6 +27,10 @@ def load_manager(config: AppConfig) -> ModelManager:
 
 def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool = False):
     """Serve the UI; returns the Blocks (and keeps serving in the background) when prevent_thread_lock is set."""
+    # Gradio wraps every event step in a matplotlib backend switch when matplotlib is installed; left to
+    # pick its backend, matplotlib imports pyplot and builds its font cache there, in the server's event
+    # loop (seconds on a fresh machine: the first reply on an H200 box reached its client 13 s late).
+    os.environ.setdefault("MPLBACKEND", "agg")
     import gradio as gr
     from gradio.utils import get_upload_folder
 
