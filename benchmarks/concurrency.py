@@ -23,8 +23,7 @@ from contextlib import closing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Not imported from single_request: client processes re-import this module and should not load torch.
-REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minicpm-v-4.6.config.json")
+from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -41,17 +40,17 @@ class Aborted(Exception):
     """The level's time ran out while this request was still waiting or streaming."""
 
 
-def engine_request(manager, messages, settings, abort: threading.Event) -> tuple[float, int]:
-    """(time to first token in ms, new tokens), in-process."""
+def engine_request(manager, messages, settings, abort: threading.Event) -> tuple[float, dict]:
+    """(time to first token in ms, the reply's stats), in-process."""
     with closing(manager.stream(messages, settings)) as updates:
         for update in updates:
             if abort.is_set():
                 raise Aborted
-    return update.stats["ttft_ms"], update.stats["new_tokens"]
+    return update.stats["ttft_ms"], update.stats
 
 
-def app_request(client, image_path, settings, abort: threading.Event) -> tuple[float, int]:
-    """(time to first token in ms as the client saw it, new tokens), through gradio_client."""
+def app_request(client, image_path, settings, abort: threading.Event) -> tuple[float, dict]:
+    """(time to first token in ms as the client saw it, the reply's stats), through gradio_client."""
     from gradio_client import handle_file
 
     started = time.perf_counter()
@@ -63,14 +62,13 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
             raise Aborted
         if reply and first is None:
             first = time.perf_counter()
-    stats = job.result()[1]
-    return round(((first or time.perf_counter()) - started) * 1000, 1), stats["new_tokens"]
+    return round(((first or time.perf_counter()) - started) * 1000, 1), job.result()[1]
 
 
 def drive_users(users: int, stop_issuing: float, deadline: float, make_requester) -> tuple[list, list, int]:
     """`users` threads sending requests back to back until stop_issuing (wall-clock time); what is still in
-    flight at `deadline` is aborted. Returns (ttft ms, latency ms, new tokens, finished at) per request,
-    failures, and the number aborted."""
+    flight at `deadline` is aborted. Returns (ttft ms, latency ms, new tokens, finished at, stats) per
+    request, failures, and the number aborted."""
     results, failures, aborted = [], [], []
     lock = threading.Lock()
     abort = threading.Event()
@@ -80,9 +78,9 @@ def drive_users(users: int, stop_issuing: float, deadline: float, make_requester
         while time.time() < stop_issuing:
             started = time.time()
             try:
-                ttft_ms, new_tokens = request(abort)
+                ttft_ms, stats = request(abort)
                 with lock:
-                    results.append((ttft_ms, (time.time() - started) * 1000, new_tokens, time.time()))
+                    results.append((ttft_ms, (time.time() - started) * 1000, stats["new_tokens"], time.time(), stats))
             except Aborted:
                 with lock:
                     aborted.append(1)
@@ -116,9 +114,9 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
     out.put(drive_users(users, started + duration, started + duration + grace, make_requester))
 
 
-def run_level(users: int, duration: float, grace: float, make_requester=None, app=None) -> dict:
+def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None) -> dict:
     """One level; in-process users call `make_requester`, or `app` = (url, image, settings) runs clients
-    in up to CLIENT_PROCESSES processes."""
+    in up to CLIENT_PROCESSES processes. `metrics` (the engine's) says where the scheduler's time went."""
     import multiprocessing
 
     import torch
@@ -126,6 +124,7 @@ def run_level(users: int, duration: float, grace: float, make_requester=None, ap
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    metrics.reset()
     if app is None:
         started = time.time()
         results, failures, unfinished = drive_users(users, started + duration, started + duration + grace, make_requester)
@@ -154,6 +153,8 @@ def run_level(users: int, duration: float, grace: float, make_requester=None, ap
     ended = max([r[3] for r in results], default=time.time())
     window = ended - started
     ttfts, latencies = [r[0] for r in results], [r[1] for r in results]
+    engine = metrics.snapshot()
+    busy = engine["busy_seconds"]
     attempted = len(results) + len(failures) + unfinished
     return {
         "users": users,
@@ -167,6 +168,17 @@ def run_level(users: int, duration: float, grace: float, make_requester=None, ap
         "latency_ms_p95": percentile(latencies, 0.95),
         "tokens_per_s": round(sum(r[2] for r in results) / window, 1) if results else 0.0,
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        # Where a request's time to first token went: preprocessing (CPU, waiting for a turn included),
+        # then the wait for a prefill wave.
+        "preprocess_ms_p50": percentile([r[4]["preprocess_ms"] for r in results], 0.5),
+        "preprocess_ms_p95": percentile([r[4]["preprocess_ms"] for r in results], 0.95),
+        "queue_ms_p50": percentile([r[4]["queue_ms"] for r in results], 0.5),
+        "queue_ms_p95": percentile([r[4]["queue_ms"] for r in results], 0.95),
+        # Where the scheduler's time went over the whole level (the rest it waited for work).
+        "prefill_busy_share": round(busy["prefill"] / window, 3),
+        "decode_busy_share": round(busy["decode"] / window, 3),
+        "prefill_ms_per_wave": round(1000 * busy["prefill"] / engine["prefill_waves"], 1) if engine["prefill_waves"] else None,
+        "decode_ms_per_step": round(1000 * busy["decode"] / engine["decode_steps"], 2) if engine["decode_steps"] else None,
         "failure_examples": failures[:3],
     }
 
@@ -174,7 +186,7 @@ def run_level(users: int, duration: float, grace: float, make_requester=None, ap
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
-    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "minicpmv4_6-real-shape-random"))
+    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
     parser.add_argument("--mode", choices=["engine", "app"], default="engine")
     parser.add_argument("--levels", default="1,10,50,100,200")
     parser.add_argument("--duration", type=float, default=60.0)
@@ -189,16 +201,9 @@ def main() -> None:
 
     from app.config import AppConfig
     from app.engine.manager import ModelManager
-    from app.engine.random_checkpoint import build_random_checkpoint
     from app.engine.settings import GenerationSettings
 
-    model = args.model
-    if model is None:
-        model = args.checkpoint
-        if not os.path.exists(os.path.join(model, "config.json")):
-            with open(REFERENCE_CONFIG) as file:
-                build_random_checkpoint(model, json.load(file), dtype=torch.bfloat16,
-                                        device="cuda" if torch.cuda.is_available() else "cpu")
+    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     levels = [int(level) for level in args.levels.split(",")]
     config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899)
     manager = ModelManager(config)
@@ -229,7 +234,7 @@ def main() -> None:
         "new_tokens": args.new_tokens, "duration_s": args.duration, "levels": [],
     }
     for users in levels:
-        level = run_level(users, args.duration, args.grace, make_requester, app)
+        level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app)
         report["levels"].append(level)
         print(json.dumps(level), flush=True)
     if args.json:

@@ -4,6 +4,7 @@ Slots are filled with one prefilled prompt (copied slot to slot), then the share
 Also checks that the captured step gives the same next tokens as the eager one. Run on a GPU machine:
 
     python benchmarks/decode_step.py --batches 1,8,32,64,128,200,256 --json decode.json
+    python benchmarks/decode_step.py --model /tmp/real-shape-gptq --batches 1,64 --no-eager   # an int4 checkpoint
 """
 
 import argparse
@@ -15,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.single_request import REFERENCE_CONFIG  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
 
 
 def timed_steps(step, count: int) -> float:
@@ -34,7 +35,10 @@ def timed_steps(step, count: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "minicpmv4_6-real-shape-random"))
+    parser.add_argument("--model", help="a checkpoint (folder or Hub id) instead of the real-shape random one")
+    parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 while loading")
+    parser.add_argument("--no-eager", dest="eager", action="store_false", help="time the CUDA-graph step only")
+    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
     parser.add_argument("--batches", default="1,8,32,64,128,200,256")
     parser.add_argument("--prompt-tokens", type=int, default=676)
     parser.add_argument("--steps", type=int, default=50)
@@ -45,22 +49,19 @@ def main() -> None:
 
     from app.config import AppConfig
     from app.engine.manager import ModelManager
-    from app.engine.random_checkpoint import build_random_checkpoint
-
-    if not os.path.exists(os.path.join(args.checkpoint, "config.json")):
-        with open(REFERENCE_CONFIG) as file:
-            build_random_checkpoint(args.checkpoint, json.load(file), dtype=torch.bfloat16, device="cuda")
-    manager = ModelManager(AppConfig(model=args.checkpoint))
+    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
+    manager = ModelManager(AppConfig(model=model, load_in_4bit=args.load_in_4bit))
     manager.load()
     runner = manager.scheduler.runner
     batches = [int(b) for b in args.batches.split(",")]
     room = args.prompt_tokens + 4 * (args.steps + 2) + 16
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
+               "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "dtype": manager.info().dtype,
                "batches": []}
     with torch.inference_mode():
         prompt = torch.randint(1000, 100000, (1, args.prompt_tokens))
         runner.store.reserve(max(batches), room)
-        runner.prefill(prompt, None, 0, room)
+        runner.prefill([(prompt, None)], 0, room)
         for slot in range(1, max(batches)):
             runner.store.move(0, slot)
         start_lengths = runner.store.lengths.clone()
@@ -98,9 +99,11 @@ def main() -> None:
             restore(saved)
             graph_ms = timed_steps(lambda: runner.graphs.run(tokens), args.steps)
             restore(saved)
-            eager_ms = timed_steps(lambda: runner.decode_step(tokens, runner.store.lengths[:batch].clone()), 10)
-            restore(saved)
-            row = {"batch": batch, "graph_ms_per_step": round(graph_ms, 3), "eager_ms_per_step": round(eager_ms, 2),
+            eager_ms = None
+            if args.eager:
+                eager_ms = round(timed_steps(lambda: runner.decode_step(tokens, runner.store.lengths[:batch].clone()), 10), 2)
+                restore(saved)
+            row = {"batch": batch, "graph_ms_per_step": round(graph_ms, 3), "eager_ms_per_step": eager_ms,
                    "graph_tokens_per_s": round(batch / graph_ms * 1000), "first_capture_ms": round(capture_ms),
                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
             results["batches"].append(row)

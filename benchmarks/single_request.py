@@ -5,6 +5,7 @@ into --checkpoint from the reference config. Each request: one 1344x1344 image (
 question, exactly --new-tokens new tokens, greedy. Run on a GPU machine:
 
     python benchmarks/single_request.py --runs 5 --json results.json
+    python benchmarks/single_request.py --model /tmp/real-shape-gptq      # any other checkpoint (int4, ...)
 """
 
 import argparse
@@ -20,15 +21,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import AppConfig  # noqa: E402
 from app.engine.manager import ModelManager  # noqa: E402
-from app.engine.random_checkpoint import build_random_checkpoint  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
 
-REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minicpm-v-4.6.config.json")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "minicpmv4_6-real-shape-random"))
+    parser.add_argument("--model", help="a checkpoint (folder or Hub id) instead of the real-shape random one")
+    parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 while loading (CUDA)")
+    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--runs", type=int, default=5)
@@ -41,16 +43,15 @@ def main() -> None:
     from PIL import Image
 
     started = time.perf_counter()
-    if not os.path.exists(os.path.join(args.checkpoint, "config.json")):
-        with open(REFERENCE_CONFIG) as file:
-            build_random_checkpoint(args.checkpoint, json.load(file), dtype=torch.bfloat16,
-                                    device="cuda" if torch.cuda.is_available() else "cpu")
+    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     build_s = time.perf_counter() - started
 
-    manager = ModelManager(AppConfig(model=args.checkpoint, device=args.device, dtype=args.dtype))
+    manager = ModelManager(AppConfig(model=model, device=args.device, dtype=args.dtype, load_in_4bit=args.load_in_4bit))
     started = time.perf_counter()
     manager.load()
     load_s = time.perf_counter() - started
+    cuda = str(manager.device).startswith("cuda")
+    loaded_gib = round(torch.cuda.memory_allocated() / 2**30, 2) if cuda else None
     warmup_s = manager.warm_up()
 
     image_path = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
@@ -58,7 +59,6 @@ def main() -> None:
     messages = [{"role": "user", "content": [{"type": "image", "path": image_path},
                                              {"type": "text", "text": "Describe this image in detail."}]}]
     settings = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-    cuda = str(manager.device).startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     runs = []
@@ -76,7 +76,10 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "fla": _version("fla"),
+        "model": args.model or "random weights, real MiniCPM-V 4.6 shape",
         "dtype": manager.info().dtype,
+        "weight_gib": round(manager.info().weight_bytes / 2**30, 2),
+        "loaded_gpu_gib": loaded_gib,
         "attn": manager.config.attn_implementation,
         "build_s": round(build_s, 1),
         "load_s": round(load_s, 2),
@@ -96,6 +99,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as file:
             json.dump(result, file, indent=2)
+
 
 
 def _version(module: str) -> str | None:

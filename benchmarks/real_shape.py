@@ -1,0 +1,21 @@
+"""The benchmarks' model: random weights at the real MiniCPM-V 4.6 shape (timings do not depend on their values)."""
+
+import json
+import os
+import tempfile
+
+REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minicpm-v-4.6.config.json")
+DEFAULT_FOLDER = os.path.join(tempfile.gettempdir(), "minicpmv4_6-real-shape-random")
+
+
+def ensure_real_shape_checkpoint(folder: str = DEFAULT_FOLDER) -> str:
+    """Build the checkpoint in `folder` (bf16) on first use; returns the folder."""
+    import torch
+
+    from app.engine.random_checkpoint import build_random_checkpoint
+
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        with open(REFERENCE_CONFIG) as file:
+            build_random_checkpoint(folder, json.load(file), dtype=torch.bfloat16,
+                                    device="cuda" if torch.cuda.is_available() else "cpu")
+    return folder
