@@ -190,3 +190,51 @@ def test_inline_scheduler_for_zero_gpu_serves_from_the_callers_threads(manager, 
     assert "scheduler" not in {thread.name for thread in threading.enumerate()} - threads_before
     assert together == {key: reply(manager, messages, settings) for key, messages in conversations.items()}
     assert inline.metrics.decode_steps < 4 * 31  # they still shared steps
+
+
+def test_prefill_waves_are_powers_of_two_within_the_token_budget():
+    """Few prefill shapes (kernels are built per shape on CUDA): 1, 2, 4, 8... requests, padding counted."""
+    from app import limits
+    from app.engine.inputs import PreparedInputs
+    from app.engine.metrics import EngineMetrics
+    from app.engine.scheduler import Request, Scheduler
+
+    scheduler = Scheduler(max_batch=64, max_waiting=100, metrics=EngineMetrics())
+
+    def submit(prompt_tokens: int) -> Request:
+        request = Request(prepared=PreparedInputs(tensors={}, prompt_tokens=prompt_tokens), settings=greedy(4),
+                          version=0, prepare_again=lambda: None, requested_at=time.perf_counter())
+        scheduler.submit(request)
+        return request
+
+    crowd = [submit(700) for _ in range(23)]  # 23 x 704 padded tokens fit the budget: 16 go first
+    waves = []
+    while scheduler.waiting:
+        waves.append(scheduler._next_admissions(wait=False))
+    assert [len(wave) for wave in waves] == [16, 4, 2, 1]
+    assert [request for wave in waves for request in wave] == crowd  # first come, first served
+
+    budget = limits.PREFILL_TOKENS_PER_STEP
+    long_one, *short_ones = [submit(budget - 100)] + [submit(50) for _ in range(3)]
+    assert scheduler._next_admissions(wait=False) == [long_one]  # padding would overflow the budget
+    assert scheduler._next_admissions(wait=False) == short_ones[:2]
+    assert scheduler._next_admissions(wait=False) == short_ones[2:]
+
+
+def test_warm_up_runs_every_wave_shape_and_leaves_the_engine_as_it_was(manager, tmp_path, monkeypatch):
+    from app import limits
+
+    conversation = user("What is this?", ("image", make_image(tmp_path, "w.png", (300, 200), (30, 90, 200))))
+    before = reply(manager, conversation, greedy(16))
+    runner = manager.scheduler.runner
+    with __import__("torch").inference_mode():
+        shapes = runner.warm_up_shapes(max_rows=4, token_budget=512)
+    assert shapes == [(1, 127), (1, 128), (1, 255), (1, 256), (1, 383), (1, 384), (1, 511), (1, 512),
+                      (2, 64), (2, 128), (2, 192), (2, 256), (4, 64), (4, 128)]
+    assert runner.store.slot_capacity == 0  # nothing left behind
+    assert reply(manager, conversation, greedy(16)) == before
+
+    # Through the manager (as the warm-up runs it on CUDA): the scheduler is paused around it, then serves.
+    monkeypatch.setattr(limits, "PREFILL_TOKENS_PER_STEP", 256)
+    manager._warm_up_shapes()
+    assert reply(manager, conversation, greedy(16)) == before

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from app import limits
 from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
 from app.engine.vision_attention import use_grouped_vision_attention
 
@@ -18,6 +19,12 @@ log = logging.getLogger(__name__)
 
 # Batch sizes a captured decode step exists for; a batch runs in the smallest bucket that holds it.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def padded_length(tokens: int) -> int:
+    """Row length of a prefill wave whose longest prompt has `tokens` tokens (see PREFILL_LENGTH_MULTIPLE)."""
+    multiple = limits.PREFILL_LENGTH_MULTIPLE
+    return -(-tokens // multiple) * multiple
 
 
 class BatchRunner:
@@ -70,7 +77,8 @@ class BatchRunner:
         count = len(prompts)
         self.store.reserve(first_slot + count, columns)
         lengths = [input_ids.shape[1] for input_ids, _ in prompts]
-        padded = max(lengths)
+        # One prompt alone needs no padding (nor an attention mask, whose size grows with its square).
+        padded = lengths[0] if count == 1 else padded_length(max(lengths))
         embeds = []
         for input_ids, features in prompts:
             input_ids = input_ids.to(self.device)
@@ -81,8 +89,7 @@ class BatchRunner:
                     placeholders |= input_ids == self.video_token_id
                 row[placeholders] = features.to(row.dtype)
             embeds.append(torch.nn.functional.pad(row, (0, 0, padded - row.shape[1], 0)))
-        real = torch.tensor([[column >= padded - length for column in range(padded)] for length in lengths],
-                            device=self.device)
+        real = torch.arange(padded, device=self.device)[None] >= padded - torch.tensor(lengths, device=self.device)[:, None]
         positions = (real.cumsum(-1) - 1).clamp(min=0)
         if all(length == padded for length in lengths):
             masks = {"full_attention": None, "linear_attention": None}  # no padding: plain causal attention
@@ -126,6 +133,31 @@ class BatchRunner:
 
     def move(self, source: int, target: int) -> None:
         self.store.move(source, target)
+
+    def warm_up_shapes(self, max_rows: int, token_budget: int) -> list[tuple[int, int]]:
+        """Run every shape the scheduler can use once, so that kernels built per shape (Triton's, on
+        CUDA) are ready before users come: prefill waves of 1, 2, 4... rows at padded lengths filling
+        each quarter of `token_budget`, then the captured decode step of each batch bucket up to the
+        wave's rows. Uses the slots freely and leaves the store empty. Returns the (rows, length)
+        prefill shapes run."""
+        multiple = limits.PREFILL_LENGTH_MULTIPLE
+        shapes, rows, decoded_up_to = [], 1, 0
+        while rows <= max_rows and rows * multiple <= token_budget:
+            lengths = {max(multiple, token_budget * quarter // 4 // rows // multiple * multiple) for quarter in range(1, 5)}
+            if rows == 1:  # a prompt alone is not padded: lengths off the multiple too
+                lengths |= {length - 1 for length in lengths}
+            for length in sorted(lengths):
+                prompt = torch.randint(0, self.embed.num_embeddings, (1, length))
+                self.prefill([(prompt, None)] * rows, 0, length + 1)
+                shapes.append((rows, length))
+            if self.graphs is not None:
+                for bucket in GRAPH_BUCKETS:
+                    if decoded_up_to < bucket <= rows:
+                        self.graphs.run(torch.zeros(bucket, dtype=torch.long, device=self.device))
+            decoded_up_to = rows
+            self.release()
+            rows *= 2
+        return shapes
 
     def release(self) -> None:
         self.store.release()

@@ -2,9 +2,9 @@
 
 Continuous batching with joins at step boundaries. One scheduler thread loops:
 
-1. admit waiting requests, first come first served, while slots are free (at most
-   limits.PREFILL_TOKENS_PER_STEP prompt tokens per loop, so replies already running keep streaming
-   while a crowd arrives);
+1. admit waiting requests, first come first served, while slots are free: a wave of 1, 2, 4, 8...
+   requests holding at most limits.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so replies
+   already running keep streaming while a crowd arrives, and the GPU kernels meet few shapes;
 2. encode the media of everything admitted together, prefill the newcomers together into their slots
    (app.engine.batch_cache) and choose their first tokens;
 3. run one decode step shared by every running request and hand each its token.
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from app import limits
+from app.engine.batch_runner import padded_length
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.engine.sampling import RowSettings, next_tokens
@@ -175,15 +176,21 @@ class Scheduler:
         with self._changed:
             if wait:
                 self._changed.wait_for(lambda: self._running or self._can_admit())
-            admitted, prompt_tokens = [], 0
+            admitted, longest = [], 0
             while self._can_admit() and len(self._running) + len(admitted) < self.max_batch:
-                if admitted and prompt_tokens + self._waiting[0].prepared.prompt_tokens > limits.PREFILL_TOKENS_PER_STEP:
-                    break
-                request = self._waiting.popleft()
+                request = self._waiting[0]
                 if request.cancelled.is_set():
+                    self._waiting.popleft()
                     continue
-                admitted.append(request)
-                prompt_tokens += request.prepared.prompt_tokens
+                wave_longest = max(longest, request.prepared.prompt_tokens)
+                if admitted and (len(admitted) + 1) * padded_length(wave_longest) > limits.PREFILL_TOKENS_PER_STEP:
+                    break
+                admitted.append(self._waiting.popleft())
+                longest = wave_longest
+            # A wave of 2^k requests (the rest go back to the front of the line): see PREFILL_LENGTH_MULTIPLE.
+            wave = 1 << (len(admitted).bit_length() - 1) if admitted else 0
+            self._waiting.extendleft(reversed(admitted[wave:]))
+            admitted = admitted[:wave]
             for place, request in enumerate(self._waiting):
                 if request.place != place:
                     request.place = place
