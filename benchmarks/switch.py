@@ -1,0 +1,82 @@
+"""Switching models at run time: GPU memory before, released by the unload, and after the new load.
+
+Serves one checkpoint, answers a request (so the engine holds its slots and captured graphs), then
+switches to another (ModelManager.switch, as the UI's picker does) and answers again. Defaults: the
+real-shape random checkpoint, switched to itself (a full unload and load). Run on a GPU machine:
+
+    python benchmarks/switch.py --to /tmp/int4-benchmark/gptq --json switch.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+
+
+def gib(count: int | None) -> float | None:
+    return None if count is None else round(count / 2**30, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="the checkpoint served first (default: the real-shape random one)")
+    parser.add_argument("--to", help="the checkpoint switched to (default: the first one again)")
+    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import torch
+    from PIL import Image
+
+    from app.config import AppConfig
+    from app.engine.manager import ModelManager
+    from app.engine.settings import GenerationSettings
+
+    first = args.model or ensure_real_shape_checkpoint(args.checkpoint)
+    manager = ModelManager(AppConfig(model=first))
+    manager.load()
+    manager.warm_up()
+    image = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
+    Image.effect_noise((1344, 1344), 64).convert("RGB").save(image)
+    messages = [{"role": "user", "content": [{"type": "image", "path": image}, {"type": "text", "text": "Describe it."}]}]
+    settings = GenerationSettings(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+
+    def answer() -> dict:
+        for update in manager.stream(messages, settings):
+            pass
+        return update.stats
+
+    cuda = torch.cuda.is_available()
+    answer()
+    before = manager.gpu_memory_bytes()
+    reserved_before = torch.cuda.memory_reserved() if cuda else None
+    started = time.perf_counter()
+    switched = manager.switch(args.to or first)
+    switch_s = time.perf_counter() - started
+    stats = answer()
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "from": args.model or "random weights, real MiniCPM-V 4.6 shape", "to": args.to or "the same checkpoint",
+        "allocated_before_gib": gib(before),
+        "reserved_before_gib": gib(reserved_before),
+        "released_by_unload_gib": gib(switched["freed_gpu_bytes"]),
+        "allocated_after_switch_gib": gib(manager.gpu_memory_bytes()),
+        "switch_s": round(switch_s, 1),
+        "warmup_s": round(switched["warmup_s"], 1),
+        "answer_after_switch": {key: stats[key] for key in ("ttft_ms", "new_tokens")},
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(result, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
