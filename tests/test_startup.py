@@ -66,3 +66,9 @@ def test_start_from_environment_with_share_keeps_serving_locally(tmp_path):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_matplotlib_never_picks_a_backend_in_the_event_loop(server_url):
+    """Gradio switches matplotlib's backend around every event step when matplotlib is installed; left to
+    choose, matplotlib imports pyplot and builds its font cache there (13 s on a fresh GPU machine)."""
+    assert os.environ.get("MPLBACKEND") == "agg"
