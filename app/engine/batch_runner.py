@@ -148,7 +148,9 @@ class BatchRunner:
                 lengths |= {length - 1 for length in lengths}
             for length in sorted(lengths):
                 prompt = torch.randint(0, self.embed.num_embeddings, (1, length))
-                self.prefill([(prompt, None)] * rows, 0, length + 1)
+                # Several rows: one shorter, so the wave runs with padding and masks, as in service.
+                prompts = [(prompt, None)] if rows == 1 else [(prompt[:, 1:], None)] + [(prompt, None)] * (rows - 1)
+                self.prefill(prompts, 0, length + 1)
                 shapes.append((rows, length))
             if self.graphs is not None:
                 for bucket in GRAPH_BUCKETS:
