@@ -21,7 +21,7 @@ from app.engine.inputs import PreparedInputs, prepare_inputs
 from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
 from app.engine.presets import find_preset
-from app.engine.scheduler import Request, Scheduler
+from app.engine.scheduler import Request, Scheduler, release_gpu_memory
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import SlicePlan, plan_slices
@@ -171,6 +171,10 @@ class ModelManager:
             with torch.inference_mode():
                 shapes = self.scheduler.runner.warm_up_shapes(self.config.max_batch_size, limits.PREFILL_TOKENS_PER_STEP)
             log.info("Warmed up %d prefill shapes and the decode step up to batch %d", len(shapes), self.config.max_batch_size)
+        except Exception as error:  # out of memory on a small card, say: serve anyway, kernels build on first use
+            log.error("The warm-up of every batch shape stopped; serving without it", exc_info=error)
+            self.scheduler.runner.release()
+            release_gpu_memory(error)
         finally:
             self.scheduler.resume()
 

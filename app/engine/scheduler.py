@@ -163,7 +163,7 @@ class Scheduler:
                 self.metrics.busy("decode", time.perf_counter() - started)
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
-            _release_gpu_memory(error)
+            release_gpu_memory(error)
             for request in self._running:
                 request.events.put(("error", error))
             self._leave(lambda request: True)
@@ -216,7 +216,7 @@ class Scheduler:
             logits = self.runner.prefill([(r.prepared.tensors["input_ids"], f) for r, f in zip(admitted, features)],
                                          len(self._running), columns)
         except Exception as error:
-            _release_gpu_memory(error)
+            release_gpu_memory(error)
             for request in admitted:
                 request.events.put(("error", error))
             return
@@ -287,7 +287,7 @@ class Scheduler:
             self._changed.notify_all()
 
 
-def _release_gpu_memory(error: Exception) -> None:
+def release_gpu_memory(error: Exception) -> None:
     import torch
 
     if isinstance(error, torch.cuda.OutOfMemoryError):
