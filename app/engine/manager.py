@@ -164,7 +164,6 @@ class ModelManager:
         import torch
 
         if not self.scheduler.pause(limits.SWITCH_WAIT_S):
-            self.scheduler.resume()
             log.warning("Replies kept running: the kernel warm-up for every batch shape was skipped")
             return
         try:
@@ -193,7 +192,6 @@ class ModelManager:
         if preset is not None and not preset.native:
             raise UserError(preset.note)
         if not self.scheduler.pause(limits.SWITCH_WAIT_S):
-            self.scheduler.resume()
             raise UserError(limits.MSG_SWITCHING)
         previous = self.config
         failure = None

@@ -72,11 +72,11 @@ class EngineMetrics:
         with self._lock:
             self.ttft.observe(seconds)
 
-    def busy(self, phase: str, seconds: float) -> None:
-        """The scheduler spent `seconds` on a prefill wave (media encoding included) or a decode step."""
+    def prefill_wave(self, seconds: float) -> None:
+        """The scheduler spent `seconds` encoding and prefilling a wave of newcomers."""
         with self._lock:
-            self.busy_seconds[phase] += seconds
-            self.prefill_waves += phase == "prefill"
+            self.busy_seconds["prefill"] += seconds
+            self.prefill_waves += 1
 
     def tokens(self, count: int, decode_seconds: float | None = None) -> None:
         """A batch step produced `count` tokens (one per row); a decode step also says how long it took."""
@@ -84,6 +84,7 @@ class EngineMetrics:
         with self._lock:
             if decode_seconds is not None:
                 self.decode_steps += 1
+                self.busy_seconds["decode"] += decode_seconds
                 self.token_latency.observe(decode_seconds, count)
             self.tokens_generated += count
             self._recent_tokens.append((now, count))

@@ -99,10 +99,15 @@ class Scheduler:
             self._thread.start()
 
     def pause(self, timeout: float) -> bool:
-        """Admit no one new and wait until running requests have finished; False if they did not in time."""
+        """Admit no one new and wait until running requests have finished; if they did not in time,
+        serve on as before and return False."""
         with self._changed:
             self._paused = True
-            return self._changed.wait_for(lambda: not self._running, timeout)
+            if self._changed.wait_for(lambda: not self._running, timeout):
+                return True
+            self._paused = False
+            self._changed.notify_all()
+            return False
 
     def resume(self) -> None:
         with self._changed:
@@ -155,12 +160,10 @@ class Scheduler:
             if admitted:
                 started = time.perf_counter()
                 self._start(admitted)
-                self.metrics.busy("prefill", time.perf_counter() - started)
+                self.metrics.prefill_wave(time.perf_counter() - started)
             self._leave(lambda request: request.cancelled.is_set())
             if self._running:
-                started = time.perf_counter()
                 self._decode_step()
-                self.metrics.busy("decode", time.perf_counter() - started)
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
             release_gpu_memory(error)
