@@ -143,7 +143,7 @@ class OpenAIEngine:
         text, reasoning, usage, first_at, chunks = "", "", {}, None, 0
         with self._running_lock:
             self._running += 1
-        outcome = "stopped"
+        outcome = "error"  # unless it finishes, or the caller stops it
         try:
             with self._client(timeout=limits.ENGINE_READ_TIMEOUT_S) as client, client.stream(
                     "POST", self.base_url + "/chat/completions", json=self._payload(converted, settings)) as response:
@@ -168,17 +168,14 @@ class OpenAIEngine:
                             reasoning += thought
                             yield ReplyUpdate(text=self._joined(reasoning, text))
             outcome = "finished"
-        except UserError:
-            outcome = "error"
+        except GeneratorExit:
+            outcome = "stopped"
             raise
         except httpx.ConnectError as error:
-            outcome = "error"
             raise UserError(limits.MSG_ENGINE_DOWN.format(url=self.base_url)) from error
         except httpx.TimeoutException as error:
-            outcome = "error"
             raise UserError(limits.MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
         except (httpx.TransportError, json.JSONDecodeError) as error:
-            outcome = "error"
             raise UserError(limits.MSG_ENGINE_BROKE.format(url=self.base_url)) from error
         finally:
             self.metrics.request_done(outcome)
