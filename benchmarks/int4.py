@@ -40,17 +40,24 @@ def choose_kernel(folder: str, kernel: str | None) -> None:
         json.dump(config, file, indent=2)
 
 
+def run_logged(command: list[str], cwd: str, timeout: float, log_path: str) -> str | None:
+    """Run `command` with its output in `log_path`; None if it succeeded, else the log's tail."""
+    with open(log_path, "w") as log:
+        try:
+            failed = subprocess.run(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode != 0
+        except subprocess.TimeoutExpired:
+            failed = True
+    if not failed:
+        return None
+    with open(log_path) as log:
+        return log.read()[-1500:]
+
+
 def run_json(command: list[str], out: str, timeout: float, log_path: str) -> dict:
     """Run a benchmark script that writes --json `out`; its output goes to `log_path`."""
     started = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            done = subprocess.run([sys.executable, *command, "--json", out], cwd=ROOT, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=timeout)
-            failed = done.returncode != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-    if failed or not os.path.exists(out):
+    error = run_logged([sys.executable, *command, "--json", out], ROOT, timeout, log_path)
+    if error is not None or not os.path.exists(out):
         with open(log_path) as log:
             return {"error": log.read()[-1500:], "seconds": round(time.perf_counter() - started, 1)}
     with open(out) as file:
@@ -63,18 +70,11 @@ def quantize(checkpoint: str, method: str, work: str, timeout: float) -> dict:
     if os.path.exists(os.path.join(folder, "config.json")):
         return {"folder": folder, "seconds": None}
     started = time.perf_counter()
-    log_path = os.path.join(work, f"quantize-{method}.log")
-    with open(log_path, "w") as log:
-        try:
-            done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "quantize.py"), "--model", checkpoint,
-                                   "--method", method, "--out", folder, "--device", "cuda"],
-                                  cwd=work, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-            failed = done.returncode != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-    if failed:
-        with open(log_path) as log:
-            return {"error": log.read()[-1500:]}
+    error = run_logged([sys.executable, os.path.join(ROOT, "scripts", "quantize.py"), "--model", checkpoint,
+                        "--method", method, "--out", folder, "--device", "cuda"],
+                       work, timeout, os.path.join(work, f"quantize-{method}.log"))
+    if error is not None:
+        return {"error": error}
     return {"folder": folder, "seconds": round(time.perf_counter() - started, 1)}
 
 
