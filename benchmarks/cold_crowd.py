@@ -13,7 +13,6 @@ import collections
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -21,7 +20,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.concurrency import engine_request, run_level  # noqa: E402
-from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 
 
 class StackSampler:
@@ -62,8 +61,6 @@ def main() -> None:
     parser.add_argument("--stacks", type=int, default=12, help="most frequent scheduler stacks shown per round")
     args = parser.parse_args()
 
-    from PIL import Image
-
     from app.config import AppConfig
     from app.engine.manager import ModelManager
     from app.engine.settings import GenerationSettings
@@ -72,10 +69,7 @@ def main() -> None:
     manager = ModelManager(AppConfig(model=model, queue_size=args.users + 1))
     manager.load()
     print(json.dumps({"warmup_s": round(manager.warm_up(), 1)}), flush=True)
-    image = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
-    Image.effect_noise((1344, 1344), 64).convert("RGB").save(image)
-    messages = [{"role": "user", "content": [{"type": "image", "path": image},
-                                             {"type": "text", "text": "Describe this image in detail."}]}]
+    _, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     for round_number in range(1, args.rounds + 1):
         sampler = StackSampler("scheduler")

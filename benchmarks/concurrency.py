@@ -16,14 +16,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from contextlib import closing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, QUESTION, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -55,7 +54,7 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
 
     started = time.perf_counter()
     first = None
-    job = client.submit("Describe this image in detail.", [handle_file(image_path)], settings, api_name="/ask")
+    job = client.submit(QUESTION, [handle_file(image_path)], settings, api_name="/ask")
     for reply, _ in job:
         if abort.is_set():
             job.cancel()
@@ -197,7 +196,6 @@ def main() -> None:
 
     import torch
     import transformers
-    from PIL import Image
 
     from app.config import AppConfig
     from app.engine.manager import ModelManager
@@ -210,11 +208,8 @@ def main() -> None:
     manager.load()
     manager.warm_up()
 
-    image_path = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
-    Image.effect_noise((1344, 1344), 64).convert("RGB").save(image_path)
+    image_path, messages = benchmark_request()
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
-    messages = [{"role": "user", "content": [{"type": "image", "path": image_path},
-                                             {"type": "text", "text": "Describe this image in detail."}]}]
     generation = GenerationSettings(**settings)
 
     def make_requester():

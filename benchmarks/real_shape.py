@@ -1,4 +1,5 @@
-"""The benchmarks' model: random weights at the real MiniCPM-V 4.6 shape (timings do not depend on their values)."""
+"""The benchmarks' model and request: random weights at the real MiniCPM-V 4.6 shape (timings do not depend
+on their values), and one 1344x1344 image (640 visual tokens) with a short question."""
 
 import json
 import os
@@ -19,3 +20,15 @@ def ensure_real_shape_checkpoint(folder: str = DEFAULT_FOLDER) -> str:
             build_random_checkpoint(folder, json.load(file), dtype=torch.bfloat16,
                                     device="cuda" if torch.cuda.is_available() else "cpu")
     return folder
+
+
+QUESTION = "Describe this image in detail."
+
+
+def benchmark_request() -> tuple[str, list[dict]]:
+    """(image path, messages): a 1344x1344 noise PNG written once per call, and the question about it."""
+    from PIL import Image
+
+    image = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
+    Image.effect_noise((1344, 1344), 64).convert("RGB").save(image)
+    return image, [{"role": "user", "content": [{"type": "image", "path": image}, {"type": "text", "text": QUESTION}]}]

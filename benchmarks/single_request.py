@@ -14,7 +14,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import AppConfig  # noqa: E402
 from app.engine.manager import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
-from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
-
+from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +38,6 @@ def main() -> None:
 
     import torch
     import transformers
-    from PIL import Image
 
     started = time.perf_counter()
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
@@ -54,10 +51,7 @@ def main() -> None:
     loaded_gib = round(torch.cuda.memory_allocated() / 2**30, 2) if cuda else None
     warmup_s = manager.warm_up()
 
-    image_path = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
-    Image.effect_noise((1344, 1344), 64).convert("RGB").save(image_path)
-    messages = [{"role": "user", "content": [{"type": "image", "path": image_path},
-                                             {"type": "text", "text": "Describe this image in detail."}]}]
+    _, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     if cuda:
         torch.cuda.reset_peak_memory_stats()

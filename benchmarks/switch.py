@@ -11,12 +11,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 
 
 def gib(count: int | None) -> float | None:
@@ -32,7 +31,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from PIL import Image
 
     from app.config import AppConfig
     from app.engine.manager import ModelManager
@@ -42,9 +40,7 @@ def main() -> None:
     manager = ModelManager(AppConfig(model=first))
     manager.load()
     manager.warm_up()
-    image = os.path.join(tempfile.gettempdir(), "benchmark-1344.png")
-    Image.effect_noise((1344, 1344), 64).convert("RGB").save(image)
-    messages = [{"role": "user", "content": [{"type": "image", "path": image}, {"type": "text", "text": "Describe it."}]}]
+    _, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=32, min_new_tokens=32, do_sample=False)
 
     def answer() -> dict:
