@@ -54,21 +54,24 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
                 prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(),
                 footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
-                max_threads=serving_slots(config) + 40)
-    add_metrics_route(demo.app, manager)
+                max_threads=serving_slots(config) + 40,
+                # Part of the app from its first request (a route added after launch() returns, which
+                # with --share is after the share-link attempt, answered 404 until then).
+                app_kwargs={"routes": [metrics_route(manager)]})
     if not prevent_thread_lock:
         demo.block_thread()
     return demo
 
 
-def add_metrics_route(app, manager) -> None:
+def metrics_route(manager):
     """GET /metrics: the engine's counters in Prometheus text format (counts and timings only, no content)."""
     from fastapi.responses import PlainTextResponse
+    from fastapi.routing import APIRoute
 
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(manager.metrics.prometheus(), media_type="text/plain; version=0.0.4")
 
-    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return APIRoute("/metrics", metrics, methods=["GET"])
 
 
 def main(argv: list[str] | None = None) -> None:
