@@ -7,6 +7,7 @@ running them (27-45 ms a step eagerly on an H200, 4.1 ms replayed; benchmarks/RE
 runs eagerly.
 """
 
+import functools
 import logging
 
 import torch
@@ -167,6 +168,14 @@ class BatchRunner:
             self.graphs.clear()
 
 
+@functools.cache
+def _capture_stream():
+    """The one side stream every capture runs on, for the life of the process. cuBLAS keeps a workspace
+    for each stream it has run on and never frees it (32 MiB on an H200): with a new stream per capture,
+    0.87 GiB stayed allocated after a model switch unloaded everything (benchmarks/RESULTS.md)."""
+    return torch.cuda.Stream()
+
+
 class _DecodeGraphs:
     """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
 
@@ -214,7 +223,7 @@ class _DecodeGraphs:
         # Warm-up runs on a side stream, as CUDA graph capture requires. They write column 0 and the
         # DeltaNet states of the bucket's slots, some of which hold running requests: saved and restored.
         saved = self._save_column_zero(bucket)
-        stream = torch.cuda.Stream()
+        stream = _capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
@@ -223,7 +232,7 @@ class _DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             static_logits = self.runner.decode_step(static_tokens, static_positions)
         self._restore(saved)
         ended.record()
