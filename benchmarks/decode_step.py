@@ -5,6 +5,8 @@ Also checks that the captured step gives the same next tokens as the eager one. 
 
     python benchmarks/decode_step.py --batches 1,8,32,64,128,200,256 --json decode.json
     python benchmarks/decode_step.py --model /tmp/real-shape-gptq --batches 1,64 --no-eager   # an int4 checkpoint
+    python benchmarks/decode_step.py --batches 1,200 --no-eager --profile 12   # the kernels a replayed step runs
+    python benchmarks/decode_step.py --batches 1,64,200 --no-eager --compile   # torch.compile'd step, then captured
 """
 
 import argparse
@@ -32,6 +34,29 @@ def timed_steps(step, count: int) -> float:
     return (time.perf_counter() - started) / count * 1000
 
 
+def kernel_profile(step, steps: int, top: int) -> dict:
+    """Kernels run by `steps` calls of `step` (CUDA-graph replays included): count per step and the
+    `top` kernels by GPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [event for event in profiler.key_averages() if event.self_device_time_total > 0]
+    total_us = sum(event.self_device_time_total for event in kernels)
+    kernels.sort(key=lambda event: event.self_device_time_total, reverse=True)
+    return {
+        "kernels_per_step": round(sum(event.count for event in kernels) / steps),
+        "gpu_ms_per_step": round(total_us / steps / 1000, 3),
+        "top": [{"name": event.key[:90], "per_step": round(event.count / steps, 1),
+                 "ms_per_step": round(event.self_device_time_total / steps / 1000, 3)} for event in kernels[:top]],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint (folder or Hub id) instead of the real-shape random one")
@@ -41,6 +66,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64,128,200,256")
     parser.add_argument("--prompt-tokens", type=int, default=676)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the step before it is captured")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP", help="list the TOP kernels of a replayed step")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -52,6 +79,12 @@ def main() -> None:
     manager = ModelManager(AppConfig(model=model, load_in_4bit=args.load_in_4bit))
     manager.load()
     runner = manager.scheduler.runner
+    eager_step = runner.decode_step
+    if args.compile:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = 64  # one graph per batch bucket
+        runner.decode_step = torch.compile(eager_step, dynamic=False)
     batches = [int(b) for b in args.batches.split(",")]
     room = args.prompt_tokens + 4 * (args.steps + 2) + 16
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
@@ -80,7 +113,7 @@ def main() -> None:
         check = min(8, max(batches))
         tokens = torch.randint(1000, 100000, (check,), device="cuda")
         saved = snapshot()
-        eager = runner.decode_step(tokens, runner.store.lengths[:check].clone()).float()
+        eager = eager_step(tokens, runner.store.lengths[:check].clone()).float()
         restore(saved)
         graphed = runner.graphs.run(tokens).float()
         restore(saved)
@@ -100,11 +133,19 @@ def main() -> None:
             restore(saved)
             eager_ms = None
             if args.eager:
-                eager_ms = round(timed_steps(lambda: runner.decode_step(tokens, runner.store.lengths[:batch].clone()), 10), 2)
+                eager_ms = round(timed_steps(lambda: eager_step(tokens, runner.store.lengths[:batch].clone()), 10), 2)
+                restore(saved)
+            profiled = None
+            if args.profile:
+                profiled = {"graph": kernel_profile(lambda: runner.graphs.run(tokens), 10, args.profile)}
+                restore(saved)
+                profiled["eager"] = kernel_profile(lambda: eager_step(tokens, runner.store.lengths[:batch].clone()), 3, args.profile)
                 restore(saved)
             row = {"batch": batch, "graph_ms_per_step": round(graph_ms, 3), "eager_ms_per_step": eager_ms,
                    "graph_tokens_per_s": round(batch / graph_ms * 1000), "first_capture_ms": round(capture_ms),
-                   "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+                   "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), "compiled": args.compile}
+            if profiled:
+                row["profile"] = profiled
             results["batches"].append(row)
             print(json.dumps(row), flush=True)
     if args.json:
