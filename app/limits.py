@@ -101,8 +101,9 @@ MSG_SWITCHING = "The model is being switched and is not ready yet; try again in 
 MSG_SWITCH_FAILED = "Could not load “{model}” ({error}). Still serving “{current}”."
 MSG_SWITCH_OFF = "Switching models is off; start the app with --allow-model-switch to allow it."
 MSG_MODEL_TYPE_NOT_SERVED = (
-    "This app's engine does not serve model type “{model_type}” yet ({reason}): serve it with vLLM or "
-    "SGLang and start this app with --backend openai (see the README)."
+    "This app's engine does not serve model type “{model_type}” yet ({reason}): serve it with an engine "
+    "that does (vLLM, SGLang, Ollama or transformers serve) and start this app with --backend openai "
+    "(see the README's recipes)."
 )
 MSG_TRANSFORMERS_TOO_OLD = (
     "The installed transformers {installed} cannot read “{model}” (model type “{model_type}”){needed}. "
