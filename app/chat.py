@@ -41,9 +41,21 @@ def reply_text(generated: str, prompt_opens_thinking: bool) -> str:
     return generated
 
 
-def reply_for_display(generated: str, prompt_opens_thinking: bool) -> str:
-    """The reply as the chat page shows it: markup as text (`reply_text` is what the API returns)."""
-    return _markup_as_text(reply_text(generated, prompt_opens_thinking))
+def reply_for_display(generated: str, prompt_opens_thinking: bool, finished: bool = False) -> str:
+    """The reply as the chat page shows it: markup as text (`reply_text` is what the API returns).
+
+    A finished reply that ended inside its reasoning (the token limit came first) gets the block closed,
+    or the page would show it as still thinking forever.
+    """
+    shown = _markup_as_text(reply_text(generated, prompt_opens_thinking))
+    return close_reasoning(shown) if finished else shown
+
+
+def close_reasoning(text: str) -> str:
+    """`text` with a reasoning block left open at its end closed."""
+    if text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE):
+        return text + THINK_CLOSE
+    return text
 
 
 def _file_path(part) -> str | None:

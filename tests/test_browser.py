@@ -119,6 +119,26 @@ def test_closing_the_tab_stops_generation(browser, server_url, manager):
     assert manager.scheduler.waiting == 0
 
 
+def test_stopping_a_reply_while_it_reasons_leaves_no_spinner(browser, server_url, manager):
+    page = open_page(browser, server_url)
+    set_max_new_tokens(page, 4000)
+    page.get_by_label("Thinking (reason before answering)").check()
+    page.locator("#chat-input textarea").fill("Think it through at length.")
+    page.locator("#chat-input textarea").press("Enter")
+    reasoning = page.locator("#chat .thought-group")
+    assert wait_for(lambda: reasoning.count() == 1 and manager.active_generations == 1, 30)
+    page.wait_for_timeout(500)
+    assert reasoning.locator(".loading-spinner").count() == 1  # still reasoning: Gradio shows a spinner
+    page.locator("#chat-input .stop-button").click()
+    assert wait_for(lambda: manager.active_generations == 0, 10)
+    assert wait_for(lambda: reasoning.locator(".loading-spinner").count() == 0, 5)  # not "thinking" forever
+    page.wait_for_timeout(1000)
+    assert reasoning.locator(".loading-spinner").count() == 0  # and no late update brings it back
+    reasoning.get_by_text("Reasoning").click()  # finished reasoning is folded; what it had reasoned stays
+    assert wait_for(lambda: len(reasoning.inner_text()) > len("Reasoning") + 20, 5)
+    page.close()
+
+
 def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager, monkeypatch):
     from app.engine.manager import ReplyUpdate
 

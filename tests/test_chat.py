@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.chat import history_to_messages, reply_for_display, strip_reasoning
+from app.chat import close_reasoning, history_to_messages, reply_for_display, strip_reasoning
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 
@@ -61,3 +61,11 @@ def test_settings_overrides_are_checked():
                 {"nonsense": 1}):
         with pytest.raises(UserError):
             base.with_overrides(bad)
+
+
+def test_a_finished_reply_never_shows_as_still_thinking():
+    assert reply_for_display("still reasoning when the limit came", True, finished=True) == (
+        "<think>still reasoning when the limit came</think>")
+    assert reply_for_display("still reasoning", True) == "<think>still reasoning"  # streaming: left open
+    assert reply_for_display("<think>a</think>done", False, finished=True) == "<think>a</think>done"
+    assert close_reasoning("plain answer") == "plain answer"

@@ -128,13 +128,31 @@ class Handlers:
                         history[-1] = waiting_message(update.waiting_ahead)
                         yield history
                         continue
-                    history[-1] = {"role": "assistant", "content": reply_for_display(update.text, update.opens_thinking)}
+                    history[-1] = {"role": "assistant", "content": reply_for_display(
+                        update.text, update.opens_thinking, finished=update.stats is not None)}
                     if update.stats is not None:
                         history.append(stats_message(update.stats, update.notices))
                     yield history
         except UserError as error:
             gr.Warning(str(error))
             yield _without_last_turn(history) + [error_message(str(error))]
+
+    @staticmethod
+    def stopped(history: list):
+        """After a reply, and after Stop: a reply cut off inside its reasoning shows that block as finished.
+        The chat display keeps a reasoning block whose closing tag never came as a message of its own
+        marked "pending", with a spinner that would otherwise turn forever. Anything else is left as is."""
+        history = list(history or [])
+        changed = False
+        for index in reversed(range(len(history))):
+            message = history[index]
+            if message.get("role") != "assistant":
+                break
+            metadata = message.get("metadata") or {}
+            if metadata.get("status") == "pending":
+                history[index] = {**message, "metadata": {**metadata, "status": "done"}}
+                changed = True
+        return history if changed else gr.skip()
 
     # Chat tab ---------------------------------------------------------------------------------------
 
