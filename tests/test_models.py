@@ -14,11 +14,11 @@ def checkpoint(folder, config: dict) -> ModelSource:
     return ModelSource(name=folder.name, path=str(folder))
 
 
-def test_minicpm_v_4_7_is_pointed_at_an_external_engine(tmp_path):
-    source = checkpoint(tmp_path / "MiniCPM-V-4.7-1B", {"model_type": "minicpmv4_7"})
-    with pytest.raises(ModelUnavailable, match="“minicpmv4_7”.*M-RoPE.*--backend openai"):
+def test_minicpm_v_2_6_is_pointed_at_an_external_engine(tmp_path):
+    source = checkpoint(tmp_path / "MiniCPM-V-2_6", {"model_type": "minicpmv"})
+    with pytest.raises(ModelUnavailable, match="“minicpmv”.*remote code.*--backend openai"):
         load_model_and_processor(source, "cpu", None, "sdpa")
-    preset = find_preset("openbmb/MiniCPM-V-4.7-1B")
+    preset = find_preset("openbmb/MiniCPM-V-2_6")
     assert not preset.native and "--backend openai" in preset.note
 
 

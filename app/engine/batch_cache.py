@@ -1,7 +1,8 @@
 """Per-sequence model state for the batching engine: one slot per running request.
 
-MiniCPM-V 4.6's text model mixes gated-DeltaNet layers (a fixed-size conv state and recurrent state
-per sequence) with full-attention layers (keys and values growing by one column per token). Every
+The text model of MiniCPM-V 4.6 and 4.7 mixes gated-DeltaNet layers (a fixed-size conv state and
+recurrent state per sequence) with full-attention layers (keys and values growing by one column per
+token). Every
 layer's state lives here in one tensor per layer, indexed by slot, so any set of sequences can decode
 together whatever their lengths:
 
@@ -29,6 +30,9 @@ class SlotStore:
         self.conv: dict[int, torch.Tensor] = {}  # layer -> [slots, channels, kernel]
         self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [slots, heads, key dim, value dim]
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens held per slot
+        # What a slot adds to a new token's text position for its M-RoPE position (MiniCPM-V 4.7 lays a
+        # prompt's images out on canvases, so positions run ahead of token counts; 0 for 4.6).
+        self.rope_deltas = torch.zeros(0, dtype=torch.long, device=device)
         self.generation = 0  # bumped whenever tensors are reallocated (captured graphs become stale)
 
     def reserve(self, slots: int, columns: int) -> None:
@@ -44,6 +48,7 @@ class SlotStore:
             for layer, old in states.items():
                 states[layer] = _resized(old, (new_slots, *old.shape[1:]))
         self.lengths = _resized(self.lengths, (new_slots,))
+        self.rope_deltas = _resized(self.rope_deltas, (new_slots,))
         self.slot_capacity, self.column_capacity = new_slots, new_columns
         self.generation += 1
 
@@ -66,6 +71,7 @@ class SlotStore:
             for tensor in states.values():
                 tensor[target] = tensor[source]
         self.lengths[target] = self.lengths[source]
+        self.rope_deltas[target] = self.rope_deltas[source]
 
     def release(self) -> None:
         """Free all memory (the model is being unloaded)."""

@@ -69,19 +69,35 @@ class BatchRunner:
                 features[index] = torch.cat([next(per_image) for _ in range(len(request_sizes))])
         return features
 
+    # Positions ----------------------------------------------------------------------------------
+
+    def canvas_positions(self, tensors: dict, downsample_mode: str) -> tuple[torch.Tensor, int] | None:
+        """A prompt's M-RoPE positions [3, length] and what later tokens add to their text position, for
+        a model that lays images out on canvases (MiniCPM-V 4.7, through its own get_rope_index); None
+        when positions are plain token counts (4.6, or a prompt without media)."""
+        get_rope_index = getattr(self.model.model, "get_rope_index", None)
+        media = tensors.get("target_sizes") is not None or tensors.get("target_sizes_videos") is not None
+        if get_rope_index is None or tensors.get("mm_token_type_ids") is None or not media:
+            return None
+        positions, deltas = get_rope_index(
+            tensors["input_ids"], tensors["mm_token_type_ids"], target_sizes=tensors.get("target_sizes"),
+            target_sizes_videos=tensors.get("target_sizes_videos"), downsample_mode=downsample_mode)
+        return positions[:, 0], int(deltas[0, 0])
+
     # Text ----------------------------------------------------------------------------------------
 
-    def prefill(self, prompts: list[tuple[torch.Tensor, torch.Tensor | None]], first_slot: int,
+    def prefill(self, prompts: list[tuple[torch.Tensor, torch.Tensor | None, tuple | None]], first_slot: int,
                 columns: int) -> torch.Tensor:
-        """Run new requests' prompts (input ids [1, length], visual features) together into slots
-        first_slot, first_slot + 1, ...; `columns` is room each needs. Next-token logits [requests, vocab]."""
+        """Run new requests' prompts (input ids [1, length], visual features, canvas_positions()) together
+        into slots first_slot, first_slot + 1, ...; `columns` is room each needs. Next-token logits
+        [requests, vocab]."""
         count = len(prompts)
         self.store.reserve(first_slot + count, columns)
-        lengths = [input_ids.shape[1] for input_ids, _ in prompts]
+        lengths = [prompt[0].shape[1] for prompt in prompts]
         # One prompt alone needs no padding (nor an attention mask, whose size grows with its square).
         padded = lengths[0] if count == 1 else padded_length(max(lengths))
         embeds = []
-        for input_ids, features in prompts:
+        for input_ids, features, _ in prompts:
             input_ids = input_ids.to(self.device)
             row = self.embed(input_ids)
             if features is not None:
@@ -92,6 +108,13 @@ class BatchRunner:
             embeds.append(torch.nn.functional.pad(row, (0, 0, padded - row.shape[1], 0)))
         real = torch.arange(padded, device=self.device)[None] >= padded - torch.tensor(lengths, device=self.device)[:, None]
         positions = (real.cumsum(-1) - 1).clamp(min=0)
+        # Rows: the text position (masks, cache columns), then the three M-RoPE channels.
+        rope = positions[None].repeat(3, 1, 1)
+        deltas = torch.zeros(count, dtype=torch.long, device=self.device)
+        for row, (_, _, canvas) in enumerate(prompts):
+            if canvas is not None:
+                rope[:, row, padded - lengths[row]:] = canvas[0].to(self.device)
+                deltas[row] = canvas[1]
         if all(length == padded for length in lengths):
             masks = {"full_attention": None, "linear_attention": None}  # no padding: plain causal attention
         else:
@@ -102,11 +125,12 @@ class BatchRunner:
         output = self.language_model(
             inputs_embeds=torch.cat(embeds),
             attention_mask=masks,
-            position_ids=positions,
+            position_ids=torch.cat([positions[None], rope]),
             past_key_values=PrefillCache(self.store, list(range(first_slot, first_slot + count)), lengths),
             use_cache=True,
         )
         self.store.lengths[first_slot:first_slot + count] = torch.tensor(lengths, device=self.device)
+        self.store.rope_deltas[first_slot:first_slot + count] = deltas
         return self.model.lm_head(output.last_hidden_state[:, -1])
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -123,10 +147,11 @@ class BatchRunner:
         """The decode computation itself: slot i reads its columns [0, positions[i]] and writes column positions[i]."""
         columns = torch.arange(self.store.column_capacity, device=self.device)
         visible = (columns[None, :] <= positions[:, None])[:, None, None, :]
+        rope = positions + self.store.rope_deltas[: positions.shape[0]]
         output = self.language_model(
             input_ids=tokens[:, None],
             attention_mask={"full_attention": visible, "linear_attention": None},
-            position_ids=positions[:, None],
+            position_ids=torch.stack([positions, rope, rope, rope])[:, :, None],
             past_key_values=DecodeCache(self.store, tokens.shape[0], positions),
             use_cache=True,
         )
@@ -150,7 +175,7 @@ class BatchRunner:
             for length in sorted(lengths):
                 prompt = torch.randint(0, self.embed.num_embeddings, (1, length))
                 # Several rows: one shorter, so the wave runs with padding and masks, as in service.
-                prompts = [(prompt, None)] if rows == 1 else [(prompt[:, 1:], None)] + [(prompt, None)] * (rows - 1)
+                prompts = [(prompt, None, None)] if rows == 1 else [(prompt[:, 1:], None, None)] + [(prompt, None, None)] * (rows - 1)
                 self.prefill(prompts, 0, length + 1)
                 shapes.append((rows, length))
             if self.graphs is not None:

@@ -105,6 +105,9 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
         import transformers
 
         model_type = _declared_model_type(source.path)
+        if model_type in UNSERVED_MODEL_TYPES:  # no transformers upgrade helps: say where it runs instead
+            raise ModelUnavailable(limits.MSG_MODEL_TYPE_NOT_SERVED.format(
+                model_type=model_type, reason=UNSERVED_MODEL_TYPES[model_type])) from error
         needed = f"; it needs transformers >= {FIRST_TRANSFORMERS[model_type]}" if model_type in FIRST_TRANSFORMERS else ""
         log.info("AutoConfig could not read %s: %s", source.path, error)
         raise ModelUnavailable(limits.MSG_TRANSFORMERS_TOO_OLD.format(

@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-from app import limits
 from app.config import TINY_RANDOM
 
 
@@ -18,10 +17,9 @@ class Preset:
 
 
 # The model type the batching engine serves (app/engine/batch_runner.py knows its layout).
-SERVED_MODEL_TYPES = ("minicpmv4_6",)
+SERVED_MODEL_TYPES = ("minicpmv4_6", "minicpmv4_7")
 # MiniCPM-V model types it does not serve (yet), and why.
 UNSERVED_MODEL_TYPES = {
-    "minicpmv4_7": "its canvas M-RoPE positions, which the engine does not compute",
     "minicpmv": "its remote code, written for transformers 4",
 }
 # The first transformers release that reads each model type, for the "upgrade" message.
@@ -39,8 +37,7 @@ PRESETS = (
     Preset("openbmb/MiniCPM-V-2_6", "MiniCPM-V 2.6 (8 B)", native=False, thinking=False,
            note="MiniCPM-V 2.6's Hub code predates transformers 5: serve it with vLLM, SGLang or Ollama "
                 "and start this app with --backend openai (see the README)."),
-    Preset("openbmb/MiniCPM-V-4.7-1B", "MiniCPM-V 4.7 1B", native=False, note=limits.MSG_MODEL_TYPE_NOT_SERVED.format(
-        model_type="minicpmv4_7", reason=UNSERVED_MODEL_TYPES["minicpmv4_7"])),
+    Preset("openbmb/MiniCPM-V-4.7-1B", "MiniCPM-V 4.7 1B", native=True),
     Preset(TINY_RANDOM, "tiny random (for tests)", native=True),
 )
 

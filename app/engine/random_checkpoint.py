@@ -1,4 +1,4 @@
-"""Builds random-weight MiniCPM-V 4.6 checkpoints offline, complete enough to load like a real one.
+"""Builds random-weight MiniCPM-V 4.6 (and 4.7) checkpoints offline, complete enough to load like a real one.
 
 `ensure_tiny_checkpoint` makes the tiny one behind `--model tiny-random` (tests, trying the UI);
 `build_random_checkpoint` takes any config, such as the real 4.6 shape for benchmarks.
@@ -118,6 +118,16 @@ TINY_VISION_CONFIG = {
 }
 TINY_CONFIG = {"text_config": TINY_TEXT_CONFIG, "vision_config": TINY_VISION_CONFIG, "insert_layer_id": 1,
                "image_size": 1120, "tie_word_embeddings": True}
+# MiniCPM-V 4.7: the same text model, positions laid out on each image's canvas (M-RoPE), 16-px patches.
+# Rotary over the whole head at a low base, so that a wrong position changes the greedy reply of this
+# tiny model (at the real base the few rotated dimensions barely notice).
+TINY_CONFIG_4_7 = {"model_type": "minicpmv4_7",
+                   "text_config": {**TINY_TEXT_CONFIG, "rope_parameters": {
+                       "rope_type": "default", "rope_theta": 100, "partial_rotary_factor": 1.0,
+                       "mrope_section": [11, 11, 10]}},
+                   "vision_config": {**TINY_VISION_CONFIG, "model_type": "minicpmv4_7_vision", "patch_size": 16,
+                                     "image_size": 1120},
+                   "insert_layer_id": 1, "tie_word_embeddings": True}
 
 
 def build_random_checkpoint(folder: str, config: dict, dtype=None, device: str | None = None) -> None:
@@ -127,19 +137,19 @@ def build_random_checkpoint(folder: str, config: dict, dtype=None, device: str |
     none), and the image/video token ids are the tokenizer's.
     """
     import torch
-    from transformers import GenerationConfig, MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
-    from transformers.models.minicpmv4_6 import (
-        MiniCPMV4_6ImageProcessor,
-        MiniCPMV4_6Processor,
-        MiniCPMV4_6VideoProcessor,
-    )
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.models.minicpmv4_6 import MiniCPMV4_6ImageProcessor, MiniCPMV4_6VideoProcessor
 
+    version = "4_7" if config.get("model_type") == "minicpmv4_7" else "4_6"
     text_config = dict(config["text_config"])
     tokenizer = _build_tokenizer(text_config.get("vocab_size"))
     text_config["vocab_size"] = len(tokenizer)
-    processor = MiniCPMV4_6Processor(
-        image_processor=MiniCPMV4_6ImageProcessor(),
-        video_processor=MiniCPMV4_6VideoProcessor(),
+    # 4.7 reuses 4.6's image and video processors; the patch size follows the vision tower's.
+    patch_size = config["vision_config"].get("patch_size", 14)
+    processor = getattr(transformers, f"MiniCPMV{version}Processor")(
+        image_processor=MiniCPMV4_6ImageProcessor(patch_size=patch_size),
+        video_processor=MiniCPMV4_6VideoProcessor(patch_size=patch_size),
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
@@ -147,10 +157,14 @@ def build_random_checkpoint(folder: str, config: dict, dtype=None, device: str |
                 if key not in ("text_config", "architectures", "model_type", "transformers_version")}
     settings.update(text_config=text_config, image_token_id=tokenizer.image_token_id,
                     video_token_id=tokenizer.video_token_id)
-    model_config = MiniCPMV4_6Config(**settings)
+    if version == "4_7":  # the markers its canvas positions are anchored on
+        settings.update({f"{name}_id": tokenizer.convert_tokens_to_ids(PROCESSOR_TOKENS[f"{name}_token"])
+                         for name in ("image_start", "image_end", "slice_start", "slice_end")},
+                        newline_id=tokenizer.convert_tokens_to_ids(tokenizer.tokenize("\n"))[0])
+    model_config = getattr(transformers, f"MiniCPMV{version}Config")(**settings)
     torch.manual_seed(0)
     with torch.device(device or "cpu"):
-        model = MiniCPMV4_6ForConditionalGeneration._from_config(model_config, dtype=dtype)
+        model = getattr(transformers, f"MiniCPMV{version}ForConditionalGeneration")._from_config(model_config, dtype=dtype)
     end_ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
     # Zero output rows make the end tokens' logits 0 among many random ones, so replies rarely end
     # early and run to max_new_tokens, as long answers do (tests of streaming and Stop need them).
