@@ -61,7 +61,7 @@ def test_positions_matter_here(manager_4_7, conversations, monkeypatch):
     """Plain token-count positions give other replies, so the match above is a real check."""
     settings = greedy(16)
     right = reply(manager_4_7, conversations["image"], settings)
-    monkeypatch.setattr(type(manager_4_7.scheduler.runner), "canvas_positions", lambda self, tensors, mode: None)
+    monkeypatch.setattr("app.engine.manager.canvas_positions", lambda model, tensors, mode: None)
     assert reply(manager_4_7, conversations["image"], settings) != right
 
 

@@ -28,6 +28,20 @@ def padded_length(tokens: int) -> int:
     return -(-tokens // multiple) * multiple
 
 
+def canvas_positions(model, tensors: dict, downsample_mode: str) -> tuple[torch.Tensor, int] | None:
+    """A prompt's M-RoPE positions [3, length] and what later tokens add to their text position, for a
+    model that lays images out on canvases (MiniCPM-V 4.7, through its own get_rope_index); None when
+    positions are plain token counts (4.6, or a prompt without media). CPU work on the prompt's ids."""
+    get_rope_index = getattr(model.model, "get_rope_index", None)
+    media = tensors.get("target_sizes") is not None or tensors.get("target_sizes_videos") is not None
+    if get_rope_index is None or tensors.get("mm_token_type_ids") is None or not media:
+        return None
+    positions, deltas = get_rope_index(
+        tensors["input_ids"], tensors["mm_token_type_ids"], target_sizes=tensors.get("target_sizes"),
+        target_sizes_videos=tensors.get("target_sizes_videos"), downsample_mode=downsample_mode)
+    return positions[:, 0], int(deltas[0, 0])
+
+
 class BatchRunner:
     def __init__(self, model, use_cuda_graphs: bool | None = None):
         self.model = model
@@ -69,26 +83,11 @@ class BatchRunner:
                 features[index] = torch.cat([next(per_image) for _ in range(len(request_sizes))])
         return features
 
-    # Positions ----------------------------------------------------------------------------------
-
-    def canvas_positions(self, tensors: dict, downsample_mode: str) -> tuple[torch.Tensor, int] | None:
-        """A prompt's M-RoPE positions [3, length] and what later tokens add to their text position, for
-        a model that lays images out on canvases (MiniCPM-V 4.7, through its own get_rope_index); None
-        when positions are plain token counts (4.6, or a prompt without media)."""
-        get_rope_index = getattr(self.model.model, "get_rope_index", None)
-        media = tensors.get("target_sizes") is not None or tensors.get("target_sizes_videos") is not None
-        if get_rope_index is None or tensors.get("mm_token_type_ids") is None or not media:
-            return None
-        positions, deltas = get_rope_index(
-            tensors["input_ids"], tensors["mm_token_type_ids"], target_sizes=tensors.get("target_sizes"),
-            target_sizes_videos=tensors.get("target_sizes_videos"), downsample_mode=downsample_mode)
-        return positions[:, 0], int(deltas[0, 0])
-
     # Text ----------------------------------------------------------------------------------------
 
     def prefill(self, prompts: list[tuple[torch.Tensor, torch.Tensor | None, tuple | None]], first_slot: int,
                 columns: int) -> torch.Tensor:
-        """Run new requests' prompts (input ids [1, length], visual features, canvas_positions()) together
+        """Run new requests' prompts (input ids [1, length], visual features, `canvas_positions`) together
         into slots first_slot, first_slot + 1, ...; `columns` is room each needs. Next-token logits
         [requests, vocab]."""
         count = len(prompts)

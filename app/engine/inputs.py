@@ -20,6 +20,7 @@ class PreparedInputs:
     video_frames: int = 0
     notices: list[str] = field(default_factory=list)
     opens_thinking: bool = False  # the chat template left a reasoning block open for the reply
+    canvas: tuple | None = None  # M-RoPE positions and offset (MiniCPM-V 4.7): batch_runner.canvas_positions
 
     @property
     def visual_tokens(self) -> int:

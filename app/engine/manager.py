@@ -16,7 +16,7 @@ from typing import Iterator
 
 from app import limits
 from app.config import AppConfig
-from app.engine.batch_runner import BatchRunner
+from app.engine.batch_runner import BatchRunner, canvas_positions
 from app.engine.inputs import PreparedInputs, prepare_inputs
 from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
@@ -304,7 +304,10 @@ class ModelManager:
         # A few at a time: hundreds of threads decoding and slicing images at once fight over the GIL
         # and the CPU cores, and starve the scheduler thread that drives the GPU.
         with self._preparing:
-            return prepare_inputs(self.processor, messages, settings, self.max_context_tokens)
+            prepared = prepare_inputs(self.processor, messages, settings, self.max_context_tokens)
+            # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
+            prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
+            return prepared
 
     def stream(self, messages: list[dict], settings: GenerationSettings) -> Iterator[ReplyUpdate]:
         """Stream a reply to `messages`. Raises UserError for bad input and for failures the user should see."""
