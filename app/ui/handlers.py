@@ -137,23 +137,6 @@ class Handlers:
             gr.Warning(str(error))
             yield _without_last_turn(history) + [error_message(str(error))]
 
-    @staticmethod
-    def stopped(history: list):
-        """After a reply, and after Stop: a reply cut off inside its reasoning shows that block as finished.
-        The chat display keeps a reasoning block whose closing tag never came as a message of its own
-        marked "pending", with a spinner that would otherwise turn forever. Anything else is left as is."""
-        history = list(history or [])
-        changed = False
-        for index in reversed(range(len(history))):
-            message = history[index]
-            if message.get("role") != "assistant":
-                break
-            metadata = message.get("metadata") or {}
-            if metadata.get("status") == "pending":
-                history[index] = {**message, "metadata": {**metadata, "status": "done"}}
-                changed = True
-        return history if changed else gr.skip()
-
     # Chat tab ---------------------------------------------------------------------------------------
 
     def add_chat_message(self, message: dict | None, camera_image: str | None, history: list):

@@ -58,14 +58,11 @@ def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
                       buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id)
 
 
-def _wire_answer(trigger, respond, stopped, chatbot, settings, stop_target, concurrency: int):
-    """Stream a reply after `trigger` succeeds; the stop control cancels it, which takes the request out of
-    the batch. Then `stopped` tidies what the reply left: it runs after the reply's last update has reached
-    the page (a handler on the stop control itself could be overtaken by updates still on their way)."""
+def _wire_answer(trigger, respond, chatbot, settings, stop_target, concurrency: int):
+    """Stream a reply after `trigger` succeeds; the stop control cancels it, which takes the request out of the batch."""
     answer = trigger.success(respond, [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
                              concurrency_limit=concurrency, api_visibility="undocumented")
     stop_target.stop(None, None, None, cancels=[answer])
-    answer.then(stopped, [chatbot], [chatbot], queue=False, api_visibility="private")
     return answer
 
 
@@ -159,9 +156,9 @@ def build_demo(manager) -> gr.Blocks:
         # Chat tab.
         added = chat_box.submit(handlers.add_chat_message, [chat_box, camera, chat], [chat, chat_box, camera],
                                 api_visibility="undocumented")
-        _wire_answer(added, respond, handlers.stopped, chat, settings, chat_box, concurrency)
+        _wire_answer(added, respond, chat, settings, chat_box, concurrency)
         retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
-        _wire_answer(retried, respond, handlers.stopped, chat, settings, chat_box, concurrency)
+        _wire_answer(retried, respond, chat, settings, chat_box, concurrency)
         chat.undo(handlers.undo, [chat], [chat, chat_box], api_visibility="undocumented")
         chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
 
@@ -179,7 +176,7 @@ def build_demo(manager) -> gr.Blocks:
             control.change(handlers.image_costs, cost_inputs, [costs], api_visibility="undocumented")
         asked = multi_box.submit(handlers.add_multi_image_question, [multi_box, gallery, multi_chat], [multi_chat, multi_box],
                                  api_visibility="undocumented")
-        _wire_answer(asked, respond, handlers.stopped, multi_chat, settings, multi_box, concurrency)
+        _wire_answer(asked, respond, multi_chat, settings, multi_box, concurrency)
 
         # Video tab: a new video starts a new conversation.
         summary_inputs = [video, video_settings["video_fps"], video_settings["video_max_frames"]]
@@ -189,7 +186,7 @@ def build_demo(manager) -> gr.Blocks:
             control.change(handlers.video_summary, summary_inputs, [video_info], api_visibility="undocumented")
         asked_video = video_box.submit(handlers.add_video_question, [video_box, video, video_chat], [video_chat, video_box],
                                        api_visibility="undocumented")
-        _wire_answer(asked_video, respond, handlers.stopped, video_chat, settings, video_box, concurrency)
+        _wire_answer(asked_video, respond, video_chat, settings, video_box, concurrency)
 
         demo.load(lambda: model_header(manager.info()), None, [header], api_visibility="private")
 
