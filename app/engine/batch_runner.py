@@ -174,7 +174,9 @@ class BatchRunner:
             for length in sorted(lengths):
                 prompt = torch.randint(0, self.embed.num_embeddings, (1, length))
                 # Several rows: one shorter, so the wave runs with padding and masks, as in service.
-                prompts = [(prompt, None, None)] if rows == 1 else [(prompt[:, 1:], None, None)] + [(prompt, None, None)] * (rows - 1)
+                prompts = [(prompt, None, None)] * rows
+                if rows > 1:
+                    prompts[0] = (prompt[:, 1:], None, None)
                 self.prefill(prompts, 0, length + 1)
                 shapes.append((rows, length))
             if self.graphs is not None:

@@ -216,8 +216,8 @@ class Scheduler:
         try:
             features = self.runner.encode_media([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted])
             columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
-            logits = self.runner.prefill([(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, features)],
-                                         len(self._running), columns)
+            prompts = [(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, features)]
+            logits = self.runner.prefill(prompts, len(self._running), columns)
         except Exception as error:
             release_gpu_memory(error)
             for request in admitted:
