@@ -94,6 +94,11 @@ def _declared_model_type(path: str) -> str:
         return "unknown"
 
 
+def _not_served(model_type: str) -> ModelUnavailable:
+    reason = UNSERVED_MODEL_TYPES.get(model_type, "the engine knows the MiniCPM-V 4.6 and 4.7 layouts only")
+    return ModelUnavailable(limits.MSG_MODEL_TYPE_NOT_SERVED.format(model_type=model_type, reason=reason))
+
+
 def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str,
                               trust_remote_code: bool = False, load_in_4bit: bool = False):
     import torch
@@ -106,15 +111,13 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
 
         model_type = _declared_model_type(source.path)
         if model_type in UNSERVED_MODEL_TYPES:  # no transformers upgrade helps: say where it runs instead
-            raise ModelUnavailable(limits.MSG_MODEL_TYPE_NOT_SERVED.format(
-                model_type=model_type, reason=UNSERVED_MODEL_TYPES[model_type])) from error
+            raise _not_served(model_type) from error
         needed = f"; it needs transformers >= {FIRST_TRANSFORMERS[model_type]}" if model_type in FIRST_TRANSFORMERS else ""
         log.info("AutoConfig could not read %s: %s", source.path, error)
         raise ModelUnavailable(limits.MSG_TRANSFORMERS_TOO_OLD.format(
             installed=transformers.__version__, model=source.name, model_type=model_type, needed=needed)) from error
     if config.model_type not in SERVED_MODEL_TYPES:
-        reason = UNSERVED_MODEL_TYPES.get(config.model_type, "the engine knows the MiniCPM-V 4.6 layout only")
-        raise ModelUnavailable(limits.MSG_MODEL_TYPE_NOT_SERVED.format(model_type=config.model_type, reason=reason))
+        raise _not_served(config.model_type)
     quantization = None
     try:
         complete_quantization_config(source.path, config)
