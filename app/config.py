@@ -28,6 +28,8 @@ class AppConfig:
     trust_remote_code: bool = False
     load_in_4bit: bool = False
     allow_model_switch: bool = False
+    engine_process: bool = True  # the model runs in a process of its own (app.engine.engine_process)
+    prepare_processes: int = -1  # app.engine.preparers.preparer_processes
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = "openbmb/MiniCPM-V-4.6"
@@ -68,6 +70,9 @@ _OPTIONS = [
     ("--openai-model", "openai_model", "MINICPMV_OPENAI_MODEL", str, "Model name the server knows."),
     ("--queue-size", "queue_size", "MINICPMV_QUEUE_SIZE", int,
      "Requests allowed to wait while the batch is full; more are told the demo is busy."),
+    ("--prepare-processes", "prepare_processes", "MINICPMV_PREPARE_PROCESSES", int,
+     "Worker processes that decode and slice images for the engine; -1: half the CPU cores (at most 8) "
+     "with a CUDA GPU, 0 (threads of the engine's process) otherwise."),
     ("--max-batch-size", "max_batch_size", "MINICPMV_MAX_BATCH_SIZE", int,
      "Requests decoded together in one batch (each costs GPU memory for its state: about 19 MB plus 12 KB "
      "per token at the 4.6 shape)."),
@@ -101,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load-in-4bit", action="store_true", default=_env_flag("MINICPMV_LOAD_IN_4BIT"),
                         help="Quantize the language model's weights to 4 bits (bitsandbytes NF4) while loading a "
                              "16-bit checkpoint: CUDA only, needs `pip install bitsandbytes`. [env MINICPMV_LOAD_IN_4BIT]")
+    parser.add_argument("--in-process-engine", dest="engine_process", action="store_false",
+                        default=not _env_flag("MINICPMV_IN_PROCESS_ENGINE"),
+                        help="Run the model in the web server's process instead of a process of its own (the "
+                             "default, faster under load: the two do not share Python's GIL). "
+                             "[env MINICPMV_IN_PROCESS_ENGINE]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
                         help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")
     return parser

@@ -3,9 +3,11 @@
 Each request: one 1344x1344 image (640 visual tokens), a short question, exactly --new-tokens new tokens,
 greedy. Each level runs for --duration seconds of new requests, then waits up to --grace seconds for those in
 flight; unfinished ones are reported, not hidden. Two modes:
-  --mode engine  the model manager called in-process (what the GPU can do),
+  --mode engine  the engine called from this script, as a Python program would (what the GPU can do),
   --mode app     the full app through gradio_client (what a browser user gets); the clients run in
                  processes of their own, so that they do not slow the server down.
+Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
+it in the benchmark's (or the app's) process instead, as before that split.
 Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
 
     python benchmarks/concurrency.py --levels 1,10,50,100,200 --json results.json
@@ -115,15 +117,11 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
 
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None) -> dict:
     """One level; in-process users call `make_requester`, or `app` = (url, image, settings) runs clients
-    in up to CLIENT_PROCESSES processes. `metrics` (the engine's) says where the scheduler's time went."""
+    in up to CLIENT_PROCESSES processes. `metrics` (the engine's) says where the scheduler's time went
+    and how much GPU memory the level took at most."""
     import multiprocessing
 
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    metrics.reset()
+    metrics.reset()  # also the GPU memory peak
     if app is None:
         started = time.time()
         results, failures, unfinished = drive_users(users, started + duration, started + duration + grace, make_requester)
@@ -166,7 +164,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         "latency_ms_p50": percentile(latencies, 0.5),
         "latency_ms_p95": percentile(latencies, 0.95),
         "tokens_per_s": round(sum(r[2] for r in results) / window, 1) if results else 0.0,
-        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "peak_gpu_gib": round(engine["gpu_memory_peak_bytes"] / 2**30, 2) if engine["gpu_memory_peak_bytes"] else None,
         # Where a request's time to first token went: preprocessing (CPU, waiting for a turn included),
         # then the wait for a prefill wave.
         "preprocess_ms_p50": percentile([r[4]["preprocess_ms"] for r in results], 0.5),
@@ -192,19 +190,21 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=60.0)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--in-process-engine", action="store_true", help="the engine in this process (as before the split)")
     args = parser.parse_args()
 
     import torch
     import transformers
 
     from app.config import AppConfig
+    from app.engine.engine_process import EngineProcess
     from app.engine.manager import ModelManager
     from app.engine.settings import GenerationSettings
 
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     levels = [int(level) for level in args.levels.split(",")]
-    config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899)
-    manager = ModelManager(config)
+    config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine)
+    manager = (EngineProcess if config.engine_process else ModelManager)(config)
     manager.load()
     manager.warm_up()
 
@@ -226,6 +226,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
+        "engine": "process of its own" if config.engine_process else "in-process",
         "new_tokens": args.new_tokens, "duration_s": args.duration, "levels": [],
     }
     for users in levels:

@@ -31,7 +31,9 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def config() -> AppConfig:
-    return AppConfig(model="tiny-random", port=free_port(), max_new_tokens=256)
+    # The engine in this process, so that tests can look inside it; tests/test_engine_process.py covers
+    # the engine in a process of its own (what `python app.py` runs).
+    return AppConfig(model="tiny-random", port=free_port(), max_new_tokens=256, engine_process=False)
 
 
 @pytest.fixture(scope="session")

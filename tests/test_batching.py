@@ -203,7 +203,8 @@ def test_prefill_waves_are_powers_of_two_within_the_token_budget():
 
     def submit(prompt_tokens: int) -> Request:
         request = Request(prepared=PreparedInputs(tensors={}, prompt_tokens=prompt_tokens), settings=greedy(4),
-                          version=0, prepare_again=lambda: None, requested_at=time.perf_counter())
+                          version=0, prepare_again=lambda: None, requested_at=time.perf_counter(),
+                          emit=lambda kind, value: None)
         scheduler.submit(request)
         return request
 

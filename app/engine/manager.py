@@ -9,17 +9,19 @@ at the next step.
 
 import gc
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 from app import limits
 from app.config import AppConfig
 from app.engine.batch_runner import BatchRunner, canvas_positions
-from app.engine.inputs import PreparedInputs, prepare_inputs
+from app.engine.inputs import PreparedInputs
 from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
+from app.engine.preparers import ProcessPreparer, ThreadPreparer, preparer_processes
 from app.engine.presets import find_preset
 from app.engine.scheduler import Request, Scheduler, release_gpu_memory
 from app.engine.settings import GenerationSettings
@@ -103,9 +105,11 @@ class ModelManager:
         self.warmup_s = None
         self.metrics = EngineMetrics()
         self.metrics.gauges["gpu_memory_bytes"] = self.gpu_memory_bytes
+        self.metrics.gauges["gpu_memory_peak_bytes"] = self.gpu_memory_peak_bytes
+        self.metrics.on_reset.append(self._reset_gpu_memory_peak)
         self.scheduler = Scheduler(config.max_batch_size, config.queue_size, self.metrics, inline=zero_gpu_enabled())
         self._ready = threading.Event()  # a model is loaded (cleared while switching)
-        self._preparing = threading.BoundedSemaphore(limits.PREPARE_CONCURRENCY)
+        self.preparer = None  # app.engine.preparers: threads here, or worker processes
         self._version = 0  # bumped by every load, so a request prepared for an older model is prepared again
 
     # Loading ---------------------------------------------------------------------------------------
@@ -119,6 +123,10 @@ class ModelManager:
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code,
             self.config.load_in_4bit)
         self._version += 1
+        # On ZeroGPU the GPU (and the work) stays inside the callers' functions: no processes of ours.
+        workers = 0 if self.scheduler.inline else preparer_processes(self.config.prepare_processes, self.device)
+        self.preparer = (ProcessPreparer(self.source.path, self.config.trust_remote_code, workers) if workers
+                         else ThreadPreparer(self.processor))
         # On ZeroGPU each request runs in a fresh GPU worker: captured graphs would not outlive it.
         runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
         self.scheduler.attach(runner, self._end_token_ids(), self._version)
@@ -219,7 +227,8 @@ class ModelManager:
         self._ready.clear()
         self.scheduler.runner.release()
         self.scheduler.runner = None
-        self.model = self.processor = None
+        self.preparer.close()
+        self.model = self.processor = self.preparer = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -256,6 +265,20 @@ class ModelManager:
         if not str(self.device).startswith("cuda"):
             return None
         return torch.cuda.memory_allocated(self.device)
+
+    def gpu_memory_peak_bytes(self) -> int | None:
+        """The most GPU memory allocated at once since the metrics were last reset."""
+        import torch
+
+        if not str(self.device).startswith("cuda"):
+            return None
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _reset_gpu_memory_peak(self) -> None:
+        import torch
+
+        if str(self.device).startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def default_settings(self) -> GenerationSettings:
         """The checkpoint's own generation_config as the starting point for every request."""
@@ -301,71 +324,120 @@ class ModelManager:
 
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
         self._wait_until_ready()
-        # A few at a time: hundreds of threads decoding and slicing images at once fight over the GIL
-        # and the CPU cores, and starve the scheduler thread that drives the GPU.
-        with self._preparing:
-            prepared = prepare_inputs(self.processor, messages, settings, self.max_context_tokens)
-            # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
-            prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
-            return prepared
+        prepared = self.preparer.prepare(messages, settings, self.max_context_tokens)
+        # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
+        prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
+        return prepared
+
+    def start(self, messages: list[dict], settings: GenerationSettings, emit: Callable[[str, object], None],
+              requested_at: float, cancelled: threading.Event | None = None) -> Request:
+        """Prepare a request and put it in line; its events go to `emit(kind, value)` (see follow_reply),
+        and setting `cancelled` takes it out. Raises UserError for bad input; a full line is emitted
+        ("refused") and counted, not raised.
+        """
+        version = self._version
+        prepared = self.prepare(messages, settings)
+        emit("prepared", prepared_summary(prepared, self.source.path, time.perf_counter()))
+
+        def prepare_again() -> PreparedInputs:  # the model was switched while the request waited
+            again = self.prepare(messages, settings)
+            emit("prepared", prepared_summary(again, self.source.path, time.perf_counter()))
+            return again
+
+        request = Request(prepared=prepared, settings=settings, version=version, requested_at=requested_at,
+                          prepare_again=prepare_again, emit=emit, cancelled=cancelled or threading.Event())
+        try:
+            self.scheduler.submit(request)
+        except UserError as error:
+            self.metrics.request_done("busy")
+            emit("refused", error)
+        return request
 
     def stream(self, messages: list[dict], settings: GenerationSettings) -> Iterator[ReplyUpdate]:
         """Stream a reply to `messages`. Raises UserError for bad input and for failures the user should see."""
         requested_at = time.perf_counter()
-        version = self._version
-        prepared = self.prepare(messages, settings)
-        prepared_at = time.perf_counter()
-        request = Request(prepared=prepared, settings=settings, version=version, requested_at=requested_at,
-                          prepare_again=lambda: self.prepare(messages, settings))
-        try:
-            self.scheduler.submit(request)
-        except UserError:
-            self.metrics.request_done("busy")
-            raise
-        text = _TextAssembler(self.processor.tokenizer)
-        outcome = "stopped"
-        try:
-            while True:
-                while self.scheduler.inline and request.events.empty():
-                    self.scheduler.drive()
-                kind, value = request.events.get()
-                if kind == "error":
-                    outcome = "error"
-                    self._raise_for(value)
-                elif kind == "place":
-                    yield ReplyUpdate(text="", waiting_ahead=value)
-                elif kind == "end":
-                    break
-                elif kind == "tokens":
-                    for token in value:
-                        text.add(token)
-                    prepared = request.prepared  # prepared again if the model was switched while it waited
-                    yield ReplyUpdate(text=text.text, notices=prepared.notices, opens_thinking=prepared.opens_thinking)
-            outcome = "finished"
-        finally:
-            request.cancelled.set()
+        events = queue.SimpleQueue()
+        request = self.start(messages, settings, lambda kind, value: events.put((kind, value)), requested_at)
+
+        def next_event():
+            while self.scheduler.inline and events.empty():
+                self.scheduler.drive()
+            return events.get()
+
+        yield from follow_reply(next_event, lambda path: self.processor.tokenizer, requested_at,
+                                lambda outcome: self.end_request(request.cancelled, outcome))
+
+    def end_request(self, cancelled: threading.Event, outcome: str) -> None:
+        """The caller is done with a request (`outcome` as in metrics.OUTCOMES): it leaves the batch."""
+        cancelled.set()
+        if outcome != "busy":  # counted when refused
             self.metrics.request_done(outcome)
-        prepared = request.prepared
-        stats = {
-            "visual_tokens": prepared.visual_tokens,
-            "image_tokens": prepared.image_tokens,
-            "video_tokens": prepared.video_tokens,
-            "video_frames": prepared.video_frames,
-            "prompt_tokens": prepared.prompt_tokens,
-            **timing_stats(len(request.generated), requested_at, prepared_at, request.started_at,
-                           request.first_token_at, time.perf_counter()),
-        }
-        yield ReplyUpdate(text=text.text, notices=prepared.notices, opens_thinking=prepared.opens_thinking, stats=stats)
 
-    def _raise_for(self, error: BaseException) -> None:
-        import torch
 
-        if isinstance(error, UserError):
-            raise error
-        if isinstance(error, torch.cuda.OutOfMemoryError):
-            raise UserError(limits.MSG_OUT_OF_MEMORY) from error
-        log.error("Generation failed", exc_info=error)
-        raise UserError(limits.MSG_GENERATION_FAILED.format(error=f"{type(error).__name__}: {error}")) from error
+def prepared_summary(prepared: PreparedInputs, model_path: str, prepared_at: float) -> dict:
+    """What a reply's updates and stats need to know of its prepared inputs (small and picklable)."""
+    return {
+        "model_path": model_path,  # whose tokenizer turns the reply's tokens into text
+        "notices": list(prepared.notices),
+        "opens_thinking": prepared.opens_thinking,
+        "visual_tokens": prepared.visual_tokens,
+        "image_tokens": prepared.image_tokens,
+        "video_tokens": prepared.video_tokens,
+        "video_frames": prepared.video_frames,
+        "prompt_tokens": prepared.prompt_tokens,
+        "prepared_at": prepared_at,
+    }
+
+
+def follow_reply(next_event: Callable[[], tuple[str, object]], tokenizer_for: Callable[[str], object],
+                 requested_at: float, close: Callable[[str], None]) -> Iterator[ReplyUpdate]:
+    """A request's events turned into reply updates, its tokens into text by `tokenizer_for(model path)`;
+    `close(outcome)` runs when the reply ends or is dropped.
+
+    Events: ("prepared", prepared_summary), ("place", requests ahead), ("tokens", [ids]), ("end", timing),
+    ("refused", UserError: the line is full) and ("error", exception). The same loop serves a request run
+    in this process and one run in the engine process (app.engine.engine_process).
+    """
+    outcome = "stopped"
+    prepared = None
+    try:
+        while True:
+            kind, value = next_event()
+            if kind == "prepared":
+                prepared, text = value, _TextAssembler(tokenizer_for(value["model_path"]))
+            elif kind == "refused":
+                outcome = "busy"
+                raise value
+            elif kind == "error":
+                outcome = "error"
+                raise as_user_error(value)
+            elif kind == "place":
+                yield ReplyUpdate(text="", waiting_ahead=value)
+            elif kind == "tokens":
+                for token in value:
+                    text.add(token)
+                yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
+            elif kind == "end":
+                break
+        outcome = "finished"
+    finally:
+        close(outcome)
+    stats = {key: prepared[key] for key in ("visual_tokens", "image_tokens", "video_tokens", "video_frames", "prompt_tokens")}
+    stats.update(timing_stats(value["new_tokens"], requested_at, prepared["prepared_at"], value["started_at"],
+                              value["first_token_at"], time.perf_counter()))
+    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats)
+
+
+def as_user_error(error: BaseException) -> UserError:
+    """The message a user sees for a failure of their request."""
+    if isinstance(error, UserError):
+        return error
+    import torch
+
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return UserError(limits.MSG_OUT_OF_MEMORY)
+    log.error("Generation failed", exc_info=error)
+    return UserError(limits.MSG_GENERATION_FAILED.format(error=f"{type(error).__name__}: {error}"))
 
 
 _manager: ModelManager | None = None
@@ -383,6 +455,10 @@ def get_manager(config: AppConfig | None = None):
                 from app.engine.openai_engine import OpenAIEngine
 
                 _manager = OpenAIEngine(config)
+            elif config.engine_process and not zero_gpu_enabled():  # on ZeroGPU the GPU exists only in this process
+                from app.engine.engine_process import EngineProcess
+
+                _manager = EngineProcess(config)
             else:
                 _manager = ModelManager(config)
         return _manager

@@ -49,10 +49,13 @@ class EngineMetrics:
     def __init__(self):
         self._lock = threading.Lock()
         self.gauges: dict[str, Callable[[], float | None]] = {}
+        self.on_reset: list[Callable[[], None]] = []  # e.g. the GPU's peak memory starts again
         self.reset()
 
     def reset(self) -> None:
         """Counters and histograms back to zero (gauges stay)."""
+        for hook in self.on_reset:
+            hook()
         with self._lock:
             self.started = time.monotonic()
             self.requests = dict.fromkeys(OUTCOMES, 0)

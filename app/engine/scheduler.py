@@ -13,13 +13,13 @@ Between steps a request that finished, was stopped, or whose client went away le
 others never notice. Joining at step boundaries rather than in waves means a newcomer waits for at
 most one step and one prefill wave, not for the longest reply of a wave.
 
-Each request talks to its caller through its own event queue: ("place", requests ahead), ("tokens",
-[ids]), ("end", None) or ("error", exception). The caller turns tokens into text on its own thread.
+Each request talks to its caller through its own `emit(kind, value)`: ("place", requests ahead),
+("tokens", [ids]), ("end", timing) or ("error", exception). The caller turns tokens into text on its own
+thread, or in another process (app.engine.engine_process).
 """
 
 import functools
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -44,7 +44,7 @@ class Request:
     version: int  # the model load the inputs were prepared for
     prepare_again: Callable[[], PreparedInputs]  # for a request that waited through a model switch
     requested_at: float
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    emit: Callable[[str, object], None]  # hands the caller an event: see app.engine.manager.follow_reply
     cancelled: threading.Event = field(default_factory=threading.Event)
     started_at: float | None = None
     first_token_at: float | None = None
@@ -168,7 +168,7 @@ class Scheduler:
             log.error("Batch step failed", exc_info=error)
             release_gpu_memory(error)
             for request in self._running:
-                request.events.put(("error", error))
+                request.emit("error", error)
             self._leave(lambda request: True)
         return True
 
@@ -197,7 +197,7 @@ class Scheduler:
             for place, request in enumerate(self._waiting):
                 if request.place != place:
                     request.place = place
-                    request.events.put(("place", place))
+                    request.emit("place", place)
             return admitted
 
     def _start(self, admitted: list[Request]) -> None:
@@ -209,7 +209,7 @@ class Scheduler:
                     request.prepared = request.prepare_again()
                     request.version = self.version
                 except Exception as error:
-                    request.events.put(("error", error))
+                    request.emit("error", error)
         admitted = [request for request in admitted if request.version == self.version]
         if not admitted:
             return
@@ -221,7 +221,7 @@ class Scheduler:
         except Exception as error:
             release_gpu_memory(error)
             for request in admitted:
-                request.events.put(("error", error))
+                request.emit("error", error)
             return
         for request in admitted:
             if request.settings.repetition_penalty != 1.0:
@@ -271,10 +271,11 @@ class Scheduler:
         now = time.perf_counter()
         fresh = request.generated[request.delivered:]
         if fresh and (ended or not request.delivered or now - request.delivered_at >= limits.STREAM_UPDATE_INTERVAL_S):
-            request.events.put(("tokens", fresh))
+            request.emit("tokens", fresh)
             request.delivered, request.delivered_at = len(request.generated), now
         if ended:
-            request.events.put(("end", None))
+            request.emit("end", {"new_tokens": len(request.generated), "started_at": request.started_at,
+                                 "first_token_at": request.first_token_at})
 
     def _leave(self, leaves: Callable[[Request], bool]) -> None:
         """Free the slots of requests for which `leaves` is true, keeping running slots dense."""

@@ -1,0 +1,87 @@
+"""Where a request's inputs are prepared (images decoded and sliced, the prompt rendered): threads or processes.
+
+Preparing one 1344x1344 image takes about 75 ms of CPU, much of it Python holding the GIL. In the
+engine's process that time is taken from the scheduler thread that drives the GPU, and however many
+cores the machine has, one process prepares about one request at a time: at 200 users on an H200 the
+preparation waited 3.6 s at the median (benchmarks/RESULTS.md). So on a GPU box requests are prepared
+in worker processes, each with its own processor, and their tensors come back through shared memory
+(torch's pickling for multiprocessing) rather than copied through a pipe. On the CPU, where the cores
+run the model, a few threads of the engine's process do it.
+"""
+
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context, parent_process
+
+from app import limits
+from app.engine.inputs import PreparedInputs, prepare_inputs
+from app.engine.settings import GenerationSettings
+
+log = logging.getLogger(__name__)
+
+
+def preparer_processes(requested: int, device) -> int:
+    """Worker processes to prepare inputs: `requested`, or for -1 half the cores (at most 8) on CUDA, none elsewhere."""
+    if requested >= 0:
+        return requested
+    if not str(device).startswith("cuda"):
+        return 0
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+class ThreadPreparer:
+    """A few requests at a time on the caller's thread: hundreds at once would fight over the GIL and the cores."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self._slots = threading.BoundedSemaphore(limits.PREPARE_CONCURRENCY)
+
+    def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
+        with self._slots:
+            return prepare_inputs(self.processor, messages, settings, max_context_tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessPreparer:
+    """Worker processes, each loading the checkpoint's processor once."""
+
+    def __init__(self, processor_path: str, trust_remote_code: bool, workers: int):
+        self.workers = workers
+        self._pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_load_processor,
+                                         initargs=(processor_path, trust_remote_code))
+        log.info("Inputs are prepared in %d worker processes", workers)
+
+    def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
+        return self._pool.submit(_prepare, messages, settings, max_context_tokens).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
+_processor = None  # a worker process's own
+
+
+def _load_processor(path: str, trust_remote_code: bool) -> None:
+    global _processor
+    import torch
+    from transformers import AutoProcessor
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches every process of the terminal: the engine stops us
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    torch.set_num_threads(1)  # many workers side by side: one core each
+    _processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _exit_with_parent() -> None:
+    """End this worker when the engine's process ends, even killed (then nobody shuts the pool down)."""
+    parent_process().join()
+    os._exit(0)
+
+
+def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
+    return prepare_inputs(_processor, messages, settings, max_context_tokens)

@@ -1,0 +1,165 @@
+"""The engine in a process of its own (what `python app.py` runs): same replies, Stop, errors, crashes."""
+
+import os
+import signal
+import threading
+import time
+from contextlib import closing
+
+import numpy as np
+import pytest
+from gradio_client import Client
+
+from app.config import AppConfig
+from app.engine.engine_process import EngineProcess
+from app.engine.settings import GenerationSettings
+from app.errors import UserError
+from tests.conftest import free_port, make_image
+from tests.test_api import FIXED, stream
+
+
+def user(text: str, *images: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "path": path} for path in images]
+             + [{"type": "text", "text": text}]}]
+
+
+def reply(engine, messages, settings):
+    last = None
+    for last in engine.stream(messages, settings):
+        pass
+    return last
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # Two worker processes prepare the inputs, as on a GPU box (on the CPU the default is threads).
+    engine = EngineProcess(AppConfig(model="tiny-random", port=free_port(), max_new_tokens=256, prepare_processes=2))
+    engine.load()
+    engine.warm_up()
+    yield engine
+    engine.close()
+    assert engine._process.exitcode == 0
+
+
+@pytest.fixture(scope="module")
+def engine_url(engine):
+    from app.main import launch
+
+    demo = launch(engine.config, engine, prevent_thread_lock=True)
+    yield demo.local_url
+    demo.close()
+
+
+def test_the_engine_runs_in_another_process(engine):
+    import psutil
+
+    assert engine._process.pid != os.getpid() and engine._process.is_alive()
+    workers = psutil.Process(engine._process.pid).children()
+    assert len([worker for worker in workers if "spawn" in " ".join(worker.cmdline())]) >= 2  # the preparers
+    info = engine.info()
+    assert info.name == "tiny-random" and info.random_weights
+    assert engine.max_context_tokens > 1000 and engine.active_generations == 0
+
+
+def test_replies_equal_the_in_process_engine_token_for_token(engine, manager, tmp_path):
+    """Same checkpoint, greedy: the text decoded here from the engine process's tokens is the in-process text."""
+    settings = GenerationSettings(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    for messages in (user("Describe it.", make_image(tmp_path, "a.png", (700, 500))), user("Tell me a story.")):
+        here, there = reply(manager, messages, settings), reply(engine, messages, settings)
+        assert there.text == here.text and there.stats["new_tokens"] == 40
+        assert {key: there.stats[key] for key in ("visual_tokens", "prompt_tokens")} == \
+               {key: here.stats[key] for key in ("visual_tokens", "prompt_tokens")}
+
+
+def test_16_users_through_the_app_each_get_the_in_process_answer(engine_url, manager, tmp_path):
+    rng = np.random.default_rng(1)
+    requests = {}
+    for i in range(16):
+        color = tuple(int(c) for c in rng.integers(0, 255, 3))
+        size = (int(rng.integers(32, 900)), int(rng.integers(32, 900)))
+        requests[i] = (f"User {i}: what is in picture {i}?", make_image(tmp_path, f"u{i}.png", size, color))
+    settings = GenerationSettings(**FIXED)
+    expected = {key: reply(manager, user(text, path), settings).text for key, (text, path) in requests.items()}
+    answers, failures = {}, []
+
+    def run(key):
+        try:
+            answers[key] = stream(Client(engine_url, verbose=False), requests[key][0], [requests[key][1]], FIXED)[1][0]
+        except Exception as error:  # asserted below
+            failures.append((key, error))
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not failures
+    assert len(set(expected.values())) > 8 and answers == expected  # nobody got anybody else's answer
+
+
+def test_metrics_come_from_the_engine_process(engine, engine_url):
+    import urllib.request
+
+    before = engine.metrics.snapshot()
+    reply(engine, user("Hello?"), GenerationSettings(max_new_tokens=5, min_new_tokens=5, do_sample=False))
+    after = engine.metrics.snapshot()
+    assert after["requests"]["finished"] == before["requests"]["finished"] + 1
+    assert after["tokens_generated"] == before["tokens_generated"] + 5
+    text = urllib.request.urlopen(engine_url.rstrip("/") + "/metrics", timeout=10).read().decode()
+    assert f'minicpmv_requests_total{{outcome="finished"}} {after["requests"]["finished"]}' in text
+
+
+def test_stop_takes_the_request_out_of_the_engine_process_batch(engine):
+    stopped_before = engine.metrics.snapshot()["requests"]["stopped"]
+    long = GenerationSettings(max_new_tokens=4000, min_new_tokens=4000, do_sample=False)
+    with closing(engine.stream(user("Go on and on."), long)) as updates:
+        for count, _ in enumerate(updates):
+            if count == 3:
+                break
+        assert engine.active_generations == 1
+    assert wait_for(lambda: engine.active_generations == 0, 10)  # long before 4000 tokens
+    assert engine.metrics.snapshot()["requests"]["stopped"] == stopped_before + 1
+
+
+def test_bad_input_is_a_clean_error_and_the_engine_serves_on(engine, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    with pytest.raises(UserError, match="(?i)image"):
+        reply(engine, user("What is it?", str(broken)), GenerationSettings(max_new_tokens=5))
+    assert reply(engine, user("Still there?"), GenerationSettings(max_new_tokens=5, min_new_tokens=5)).stats["new_tokens"] == 5
+
+
+def test_a_full_line_is_refused_through_the_pipe(tmp_path):
+    small = EngineProcess(AppConfig(model="tiny-random", max_batch_size=1, queue_size=0, warmup=False))
+    small.load()
+    try:
+        long = GenerationSettings(max_new_tokens=4000, min_new_tokens=4000, do_sample=False)
+        with closing(small.stream(user("Go on."), long)) as running:
+            next(running)
+            with pytest.raises(UserError, match="busy"):
+                reply(small, user("Me too?"), GenerationSettings(max_new_tokens=5))
+        assert small.metrics.snapshot()["requests"]["busy"] == 1
+    finally:
+        small.close()
+
+
+def test_a_crashed_engine_process_is_restarted(engine):
+    """A crash of the engine process (a GPU driver fault, say) ends the replies in flight with a clear
+    message; a new engine process serves the next ones."""
+    long = GenerationSettings(max_new_tokens=4000, min_new_tokens=4000, do_sample=False)
+    first = engine._process
+    with pytest.raises(UserError, match="restarted"):
+        for count, _ in enumerate(engine.stream(user("Go on and on."), long)):
+            if count == 2:
+                os.kill(first.pid, signal.SIGKILL)
+    assert wait_for(lambda: engine.loaded, 120)
+    assert engine._process.pid != first.pid
+    answer = reply(engine, user("Back?"), GenerationSettings(max_new_tokens=5, min_new_tokens=5, do_sample=False))
+    assert answer.stats["new_tokens"] == 5
