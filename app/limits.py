@@ -57,6 +57,11 @@ PREFILL_TOKENS_PER_STEP = _limit("PREFILL_TOKENS_PER_STEP", 16384)
 # new shape they meet (seconds each): on an H200 a first crowd of 200 users spent 97% of its time there
 # and got no answer in 18 s. The warm-up compiles every shape the engine can then use.
 PREFILL_LENGTH_MULTIPLE = 64
+# On CUDA the warm-up reserves the per-request state of a whole batch (--max-batch-size slots) for
+# prompts and replies of up to this many tokens, so that the captured decode step is not captured again
+# as the batch grows (longer ones grow it). About 19 MB + 12 KB per token per slot at the 4.6 shape:
+# 7.9 GB for 256 slots. Attention in the decode step reads every reserved column, so not more.
+RESERVED_COLUMNS = _limit("RESERVED_COLUMNS", 1024)
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 # A reply's text goes out at most this often (tokens in between are sent together): smooth to read,

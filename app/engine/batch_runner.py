@@ -163,8 +163,8 @@ class BatchRunner:
         """Run every shape the scheduler can use once, so that kernels built per shape (Triton's, on
         CUDA) are ready before users come: prefill waves of 1, 2, 4... rows at padded lengths filling
         each quarter of `token_budget`, then the captured decode step of each batch bucket up to the
-        wave's rows. Uses the slots freely and leaves the store empty. Returns the (rows, length)
-        prefill shapes run."""
+        wave's rows. Uses the slots freely, then leaves the store reserved for `max_rows` (see
+        _reserve_batch). Returns the (rows, length) prefill shapes run."""
         multiple = limits.PREFILL_LENGTH_MULTIPLE
         shapes, rows, decoded_up_to = [], 1, 0
         while rows <= max_rows and rows * multiple <= token_budget:
@@ -186,7 +186,22 @@ class BatchRunner:
             decoded_up_to = rows
             self.release()
             rows *= 2
+        self._reserve_batch(max_rows)
         return shapes
+
+    def _reserve_batch(self, max_rows: int) -> None:
+        """Take the store's slots for a whole batch now, and capture the decode step of every bucket.
+
+        Else the store grows with the batch in service, and each growth moves its tensors and so
+        recaptures the decode step of each bucket met next (about 0.1 s each, every stream stalled):
+        33 recaptures in one benchmark run on an H200. Columns still grow for long requests.
+        """
+        self.prefill([(torch.zeros((1, 1), dtype=torch.long), None, None)], 0, limits.RESERVED_COLUMNS)  # every layer's state
+        self.store.reserve(max_rows, limits.RESERVED_COLUMNS)
+        if self.graphs is not None:
+            for bucket in GRAPH_BUCKETS:
+                if bucket <= max_rows:
+                    self.graphs.run(torch.zeros(bucket, dtype=torch.long, device=self.device))
 
     def release(self) -> None:
         self.store.release()

@@ -197,7 +197,7 @@ class EngineProcess:
         except UserError:
             del self._streams[request_id]
             raise
-        yield from follow_reply(events.get, lambda path: _tokenizer(path, self.config.trust_remote_code),
+        yield from follow_reply(events, lambda path: _tokenizer(path, self.config.trust_remote_code),
                                 requested_at, close)
 
 

@@ -359,13 +359,9 @@ class ModelManager:
         events = queue.SimpleQueue()
         request = self.start(messages, settings, lambda kind, value: events.put((kind, value)), requested_at)
 
-        def next_event():
-            while self.scheduler.inline and events.empty():
-                self.scheduler.drive()
-            return events.get()
-
-        yield from follow_reply(next_event, lambda path: self.processor.tokenizer, requested_at,
-                                lambda outcome: self.end_request(request.cancelled, outcome))
+        yield from follow_reply(events, lambda path: self.processor.tokenizer, requested_at,
+                                lambda outcome: self.end_request(request.cancelled, outcome),
+                                self.scheduler.drive if self.scheduler.inline else None)
 
     def end_request(self, cancelled: threading.Event, outcome: str) -> None:
         """The caller is done with a request (`outcome` as in metrics.OUTCOMES): it leaves the batch."""
@@ -389,10 +385,11 @@ def prepared_summary(prepared: PreparedInputs, model_path: str, prepared_at: flo
     }
 
 
-def follow_reply(next_event: Callable[[], tuple[str, object]], tokenizer_for: Callable[[str], object],
-                 requested_at: float, close: Callable[[str], None]) -> Iterator[ReplyUpdate]:
+def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], object], requested_at: float,
+                 close: Callable[[str], None], wait_for_events: Callable[[], None] | None = None) -> Iterator[ReplyUpdate]:
     """A request's events turned into reply updates, its tokens into text by `tokenizer_for(model path)`;
-    `close(outcome)` runs when the reply ends or is dropped.
+    `close(outcome)` runs when the reply ends or is dropped; `wait_for_events`, if given, is called while
+    no event is there (inline mode drives the scheduler).
 
     Events: ("prepared", prepared_summary), ("place", requests ahead), ("tokens", [ids]), ("end", timing),
     ("refused", UserError: the line is full) and ("error", exception). The same loop serves a request run
@@ -402,7 +399,9 @@ def follow_reply(next_event: Callable[[], tuple[str, object]], tokenizer_for: Ca
     prepared = None
     try:
         while True:
-            kind, value = next_event()
+            while wait_for_events is not None and events.empty():
+                wait_for_events()
+            kind, value = events.get()
             if kind == "prepared":
                 prepared, text = value, _TextAssembler(tokenizer_for(value["model_path"]))
             elif kind == "refused":
@@ -416,7 +415,8 @@ def follow_reply(next_event: Callable[[], tuple[str, object]], tokenizer_for: Ca
             elif kind == "tokens":
                 for token in value:
                     text.add(token)
-                yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
+                if events.empty():  # else the consumer fell behind (a busy web server): one update for all
+                    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
             elif kind == "end":
                 break
         outcome = "finished"
