@@ -150,6 +150,17 @@ def test_a_full_line_is_refused_through_the_pipe(tmp_path):
         small.close()
 
 
+def test_switching_the_model_of_the_engine_process(engine):
+    """The picker's switch, through the pipe: the engine process loads the other checkpoint (here the
+    same files by their folder), and a restarted engine process would load it too."""
+    folder = engine.info().path
+    result = engine.switch(folder)
+    assert result["warmup_s"] is not None
+    assert engine.info().name == folder and engine.config.model == folder
+    answer = reply(engine, user("Hello again?"), GenerationSettings(max_new_tokens=5, min_new_tokens=5, do_sample=False))
+    assert answer.stats["new_tokens"] == 5
+
+
 def test_a_crashed_engine_process_is_restarted(engine):
     """A crash of the engine process (a GPU driver fault, say) ends the replies in flight with a clear
     message; a new engine process serves the next ones."""
