@@ -18,10 +18,12 @@ def stream(client, text, files=(), settings=None):
 
 
 def test_streamed_image_answer(client, red_image):
-    updates, (reply, stats) = stream(client, "What is in this picture?", [red_image], FIXED)
+    # Long enough to span several stream intervals (tokens that arrive together go out as one update).
+    long = {**FIXED, "max_new_tokens": 64, "min_new_tokens": 64}
+    updates, (reply, stats) = stream(client, "What is in this picture?", [red_image], long)
     assert len(updates) >= 3  # several updates arrived before the end
     assert stats["done"] and stats["visual_tokens"] == 640 and stats["image_tokens"] == [640]
-    assert stats["new_tokens"] == 24 and stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
+    assert stats["new_tokens"] == 64 and stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
     assert reply and updates[0][0] != reply  # the reply grew
 
 

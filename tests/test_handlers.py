@@ -26,7 +26,8 @@ def test_chat_turn_streams_then_adds_stats(handlers, manager, red_image):
     history, box, camera = handlers.add_chat_message({"text": "What is it?", "files": [red_image]}, None, [])
     assert box is None and camera is None
     assert [m["role"] for m in history] == ["user", "user"]
-    updates, final = run(handlers, manager, history)
+    # Long enough to span several stream intervals (tokens that arrive together go out as one update).
+    updates, final = run(handlers, manager, history, max_new_tokens=64, min_new_tokens=64)
     assert len(updates) >= 3
     reply, stats = final[-2], final[-1]
     assert reply["role"] == "assistant" and reply["content"]
