@@ -85,6 +85,17 @@ def make_video(folder, name: str = "clip.mp4", seconds: float = 10, fps: int = 2
     return path
 
 
+def picture_requests(folder, count: int, seed: int, question: str) -> dict[int, tuple[str, str]]:
+    """`count` users' requests, {i: (question with {i} filled in, image path)}: images of random sizes and colours."""
+    rng = np.random.default_rng(seed)
+    requests = {}
+    for i in range(count):
+        color = tuple(int(c) for c in rng.integers(0, 255, 3))
+        size = (int(rng.integers(32, 900)), int(rng.integers(32, 900)))
+        requests[i] = (question.format(i=i), make_image(folder, f"user{i}.png", size, color))
+    return requests
+
+
 def frame_index(frame) -> int:
     """Read back the index that make_video drew into a frame (modulo 256)."""
     stripe = frame.shape[1] // 8

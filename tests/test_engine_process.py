@@ -6,7 +6,6 @@ import threading
 import time
 from contextlib import closing
 
-import numpy as np
 import pytest
 from gradio_client import Client
 
@@ -14,7 +13,7 @@ from app.config import AppConfig
 from app.engine.engine_process import EngineProcess
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
-from tests.conftest import free_port, make_image
+from tests.conftest import free_port, make_image, picture_requests
 from tests.test_api import FIXED, stream
 
 
@@ -79,12 +78,7 @@ def test_replies_equal_the_in_process_engine_token_for_token(engine, manager, tm
 
 
 def test_16_users_through_the_app_each_get_the_in_process_answer(engine_url, manager, tmp_path):
-    rng = np.random.default_rng(1)
-    requests = {}
-    for i in range(16):
-        color = tuple(int(c) for c in rng.integers(0, 255, 3))
-        size = (int(rng.integers(32, 900)), int(rng.integers(32, 900)))
-        requests[i] = (f"User {i}: what is in picture {i}?", make_image(tmp_path, f"u{i}.png", size, color))
+    requests = picture_requests(tmp_path, 16, seed=1, question="User {i}: what is in picture {i}?")
     settings = GenerationSettings(**FIXED)
     expected = {key: reply(manager, user(text, path), settings).text for key, (text, path) in requests.items()}
     answers, failures = {}, []

@@ -5,14 +5,13 @@ import threading
 import time
 
 import cv2
-import numpy as np
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
 
 from app import limits
-from tests.conftest import make_image, make_video
+from tests.conftest import make_image, make_video, picture_requests
 from tests.test_api import FIXED, stream
 
 
@@ -138,12 +137,7 @@ def solo_and_concurrent(server_url, requests, clients):
 
 
 def test_32_concurrent_users_each_get_their_own_answer(server_url, tmp_path):
-    rng = np.random.default_rng(0)
-    requests = {}
-    for i in range(32):
-        color = tuple(int(c) for c in rng.integers(0, 255, 3))
-        size = (int(rng.integers(32, 900)), int(rng.integers(32, 900)))
-        requests[i] = (f"User {i}: describe picture number {i}.", make_image(tmp_path, f"user{i}.png", size, color))
+    requests = picture_requests(tmp_path, 32, seed=0, question="User {i}: describe picture number {i}.")
     solo, together, failures = solo_and_concurrent(server_url, requests, clients=32)
     assert not failures
     assert len(set(solo.values())) > 16  # the answers really differ from user to user

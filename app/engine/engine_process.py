@@ -85,7 +85,7 @@ class EngineProcess:
         self._process, self._connection = process, ours
         threading.Thread(target=self._read, args=(process, ours), name="engine-reader", daemon=True).start()
         self._ready.set()
-        _tokenizer(self.info().path, self.config.trust_remote_code)  # now rather than in the first reply
+        self._tokenizer_for(self.info().path)  # loaded now rather than in the first reply
         log.info("Engine process %d serves %s", process.pid, self.config.model)
 
     def warm_up(self) -> float:
@@ -176,7 +176,7 @@ class EngineProcess:
     def switch(self, model: str) -> dict:
         result = self._call("switch", model)
         self.config = replace(self.config, model=model)  # so that a restarted engine process loads this one
-        _tokenizer(self.info().path, self.config.trust_remote_code)
+        self._tokenizer_for(self.info().path)
         return result
 
     def stream(self, messages: list[dict], settings) -> Iterator:
@@ -197,8 +197,10 @@ class EngineProcess:
         except UserError:
             del self._streams[request_id]
             raise
-        yield from follow_reply(events, lambda path: _tokenizer(path, self.config.trust_remote_code),
-                                requested_at, close)
+        yield from follow_reply(events, self._tokenizer_for, requested_at, close)
+
+    def _tokenizer_for(self, model_path: str):
+        return _tokenizer(model_path, self.config.trust_remote_code)
 
 
 def _plain(value):

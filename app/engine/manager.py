@@ -262,22 +262,22 @@ class ModelManager:
     def gpu_memory_bytes(self) -> int | None:
         import torch
 
-        if not str(self.device).startswith("cuda"):
-            return None
-        return torch.cuda.memory_allocated(self.device)
+        return torch.cuda.memory_allocated(self.device) if self._on_cuda else None
+
+    @property
+    def _on_cuda(self) -> bool:
+        return str(self.device).startswith("cuda")
 
     def gpu_memory_peak_bytes(self) -> int | None:
         """The most GPU memory allocated at once since the metrics were last reset."""
         import torch
 
-        if not str(self.device).startswith("cuda"):
-            return None
-        return torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.max_memory_allocated(self.device) if self._on_cuda else None
 
     def _reset_gpu_memory_peak(self) -> None:
         import torch
 
-        if str(self.device).startswith("cuda"):
+        if self._on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def default_settings(self) -> GenerationSettings:
