@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.real_shape import DEFAULT_FOLDER, QUESTION, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.streaming_client import streamed_outputs  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +57,7 @@ def main() -> None:
         for index in range(args.requests):
             sent = time.perf_counter()
             job = client.submit(QUESTION, [handle_file(image)], settings, api_name="/ask")
-            arrivals = [(round((time.perf_counter() - sent) * 1000), len(reply)) for reply, _ in job]
+            arrivals = [(round((time.perf_counter() - sent) * 1000), len(reply)) for reply, _ in streamed_outputs(job)]
             stats = job.result()[1]
             print(json.dumps({
                 "request": index, "client_total_ms": round((time.perf_counter() - sent) * 1000),

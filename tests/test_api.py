@@ -1,19 +1,26 @@
 """The documented /ask endpoint, driven by gradio_client against the live app with the tiny model."""
 
+import contextlib
+import io
+import os
+import re
 import time
 
 import pytest
 from gradio_client import handle_file
 from gradio_client.exceptions import AppError
 
+from benchmarks.streaming_client import streamed_outputs
 from tests.conftest import make_image, make_video
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIXED = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False}
 
 
 def stream(client, text, files=(), settings=None):
     job = client.submit(text, [handle_file(path) for path in files], settings or {}, api_name="/ask")
-    updates = list(job)
+    updates = list(streamed_outputs(job))
     return updates, job.result()  # raises AppError when the app refused the request
 
 
@@ -25,6 +32,19 @@ def test_streamed_image_answer(client, red_image):
     assert stats["done"] and stats["visual_tokens"] == 640 and stats["image_tokens"] == [640]
     assert stats["new_tokens"] == 64 and stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
     assert reply and updates[0][0] != reply  # the reply grew
+
+
+def test_the_readme_scripting_example_runs_as_written(server_url, monkeypatch):
+    with open(os.path.join(ROOT, "README.md")) as file:
+        section = file.read().split("## Scripting API", 1)[1]
+    example = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    monkeypatch.chdir(ROOT)  # the example's image path is relative to the repository
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(example.replace("http://127.0.0.1:7860/", server_url), {})
+    lines = printed.getvalue().splitlines()
+    assert len(lines) >= 3  # streamed replies, the final stats, the follow-up's answer
+    assert "'visual_tokens'" in printed.getvalue() and "'ttft_ms'" in printed.getvalue()
 
 
 def test_several_images_keep_their_order_and_cost(client, tmp_path):
