@@ -14,7 +14,7 @@ import torch
 
 from app import limits
 from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
-from app.engine.vision_attention import use_grouped_vision_attention
+from app.engine.vision_tower import tune_vision_tower
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class BatchRunner:
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         self.graphs = _DecodeGraphs(self) if use_cuda_graphs else None
-        use_grouped_vision_attention(model)
+        tune_vision_tower(model)
 
     # Media ---------------------------------------------------------------------------------------
 
@@ -75,7 +75,8 @@ class BatchRunner:
             elif tensors.get("pixel_values") is not None:
                 by_mode.setdefault(mode, []).append(index)
         for mode, indices in by_mode.items():
-            pixels = torch.cat([batch[i][0]["pixel_values"] for i in indices], dim=-1).to(self.device)
+            # Joined on the GPU: a wave's pixels are hundreds of MB, too many to copy once more on the CPU.
+            pixels = torch.cat([batch[i][0]["pixel_values"].to(self.device, non_blocking=True) for i in indices], dim=-1)
             sizes = [batch[i][0]["target_sizes"] for i in indices]
             output = self.model.model.get_image_features(pixels, torch.cat(sizes).to(self.device), downsample_mode=mode)
             per_image = iter(output.pooler_output)

@@ -125,8 +125,9 @@ class ModelManager:
         self._version += 1
         # On ZeroGPU the GPU (and the work) stays inside the callers' functions: no processes of ours.
         workers = 0 if self.scheduler.inline else preparer_processes(self.config.prepare_processes, self.device)
-        self.preparer = (ProcessPreparer(self.source.path, self.config.trust_remote_code, workers) if workers
-                         else ThreadPreparer(self.processor))
+        pixel_dtype = self.model.model.vision_tower.dtype
+        self.preparer = (ProcessPreparer(self.source.path, self.config.trust_remote_code, workers, pixel_dtype) if workers
+                         else ThreadPreparer(self.processor, pixel_dtype))
         # On ZeroGPU each request runs in a fresh GPU worker: captured graphs would not outlive it.
         runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
         self.scheduler.attach(runner, self._end_token_ids(), self._version)

@@ -35,13 +35,14 @@ def preparer_processes(requested: int, device) -> int:
 class ThreadPreparer:
     """A few requests at a time on the caller's thread: hundreds at once would fight over the GIL and the cores."""
 
-    def __init__(self, processor):
+    def __init__(self, processor, pixel_dtype=None):
         self.processor = processor
+        self.pixel_dtype = pixel_dtype
         self._slots = threading.BoundedSemaphore(limits.PREPARE_CONCURRENCY)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
         with self._slots:
-            return prepare_inputs(self.processor, messages, settings, max_context_tokens)
+            return prepare_inputs(self.processor, messages, settings, max_context_tokens, self.pixel_dtype)
 
     def close(self) -> None:
         pass
@@ -50,14 +51,15 @@ class ThreadPreparer:
 class ProcessPreparer:
     """Worker processes, each loading the checkpoint's processor once."""
 
-    def __init__(self, processor_path: str, trust_remote_code: bool, workers: int):
+    def __init__(self, processor_path: str, trust_remote_code: bool, workers: int, pixel_dtype=None):
         self.workers = workers
+        self.pixel_dtype = pixel_dtype
         self._pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_load_processor,
                                          initargs=(processor_path, trust_remote_code))
         log.info("Inputs are prepared in %d worker processes", workers)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
-        return self._pool.submit(_prepare, messages, settings, max_context_tokens).result()
+        return self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype).result()
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
@@ -83,5 +85,5 @@ def _exit_with_parent() -> None:
     os._exit(0)
 
 
-def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
-    return prepare_inputs(_processor, messages, settings, max_context_tokens)
+def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int, pixel_dtype) -> PreparedInputs:
+    return prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype)
