@@ -1,0 +1,102 @@
+"""Where a prefill wave's time goes: the vision tower against the text model, by wave size, and the kernels.
+
+At 50-200 users the scheduler spends most of its time prefilling newcomers (benchmarks/RESULTS.md), so
+this times the two halves of a wave exactly as the scheduler runs them (BatchRunner.encode_media, then
+BatchRunner.prefill) for waves of --rows requests of the benchmark's 1344x1344 image, and lists the GPU
+kernels of the smallest and the largest wave (their busy time against the wave's: launch-bound or not).
+Random weights at the real 4.6 shape; run on a GPU machine:
+
+    python benchmarks/prefill.py --rows 1 4 16 --json prefill.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from app.config import AppConfig  # noqa: E402
+from app.engine.manager import ModelManager  # noqa: E402
+from app.engine.settings import GenerationSettings  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+
+
+def timed(synchronize, function, runs: int) -> tuple[float, object]:
+    """Median GPU-inclusive milliseconds of `function` over `runs` runs (after one untimed run), and its result."""
+    result = function()
+    times = []
+    for _ in range(runs):
+        synchronize()
+        started = time.perf_counter()
+        result = function()
+        synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    return sorted(times)[len(times) // 2], result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a checkpoint instead of the real-shape random one")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--kernels", type=int, default=25, help="top kernels of the largest wave to list")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    import torch
+
+    manager = ModelManager(AppConfig(model=args.model or ensure_real_shape_checkpoint(DEFAULT_FOLDER), prepare_processes=0))
+    manager.load()
+    runner = manager.scheduler.runner
+    _, messages = benchmark_request()
+    settings = GenerationSettings(max_new_tokens=128, do_sample=False)
+    prepared = manager.prepare(messages, settings)
+    mode = settings.downsample_mode
+    cuda = torch.cuda.is_available()
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+               "prompt_tokens": prepared.prompt_tokens, "visual_tokens": prepared.visual_tokens, "waves": []}
+
+    def vision(rows):
+        return runner.encode_media([(prepared.tensors, mode)] * rows)
+
+    def text(rows, features):
+        logits = runner.prefill([(prepared.tensors["input_ids"], feature, prepared.canvas) for feature in features],
+                                0, prepared.prompt_tokens + 128)
+        runner.store.release()
+        return logits
+
+    with torch.inference_mode():
+        for rows in args.rows:
+            vision_ms, features = timed(synchronize, lambda: vision(rows), args.runs)
+            text_ms, _ = timed(synchronize, lambda: text(rows, features), args.runs)
+            wave = {"rows": rows, "vision_ms": round(vision_ms, 1), "text_ms": round(text_ms, 1),
+                    "per_request_ms": round((vision_ms + text_ms) / rows, 1)}
+            results["waves"].append(wave)
+            print(json.dumps(wave), flush=True)
+
+        profiles = []
+        for rows in sorted({min(args.rows), max(args.rows)}):
+            features = vision(rows)
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            with torch.profiler.profile(activities=activities) as profile:
+                features = vision(rows)
+                text(rows, features)
+                synchronize()
+            kernels = sorted((e for e in profile.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                             key=lambda e: e.device_time_total, reverse=True)
+            profiles.append({"rows": rows, "gpu_busy_ms": round(sum(e.device_time_total for e in kernels) / 1000, 1),
+                             "kernel_launches": sum(e.count for e in kernels),
+                             "top": [{"kernel": e.key[:110], "calls": e.count, "ms": round(e.device_time_total / 1000, 2)}
+                                     for e in kernels[:args.kernels]]})
+            print(json.dumps(profiles[-1], indent=1))
+    results["profiles"] = profiles
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
