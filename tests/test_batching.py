@@ -251,3 +251,35 @@ def test_warm_up_runs_every_wave_shape_and_leaves_the_engine_as_it_was(manager, 
     monkeypatch.setattr(runner, "warm_up_shapes", fail)
     manager._warm_up_shapes()
     assert reply(manager, conversation, greedy(16)) == before
+
+
+def test_replies_are_updated_less_often_when_many_stream_at_once(manager, tmp_path, monkeypatch):
+    """All replies together stay near STREAM_UPDATES_PER_S updates a second (the web server's load), and
+    each still gets its text whole."""
+    from app import limits
+    from app.engine.scheduler import stream_update_interval
+
+    assert stream_update_interval(1) == limits.STREAM_UPDATE_INTERVAL_S
+    assert stream_update_interval(200) == 200 / limits.STREAM_UPDATES_PER_S
+    monkeypatch.setattr(limits, "STREAM_UPDATES_PER_S", 4)  # 4 replies: one update a second each
+    conversations = {i: user(f"User {i}, describe the picture.",
+                             ("image", make_image(tmp_path, f"s{i}.png", (64, 64), (60 * i, 90, 30))))
+                     for i in range(4)}
+    expected = {key: reply(manager, messages, greedy(64)) for key, messages in conversations.items()}
+    counts, texts, start = {}, {}, threading.Barrier(4)
+
+    def run(key):
+        start.wait()
+        started, updates = time.perf_counter(), list(manager.stream(conversations[key], greedy(64)))
+        counts[key] = (sum(1 for update in updates if update.text and update.stats is None), time.perf_counter() - started)
+        texts[key] = updates[-1].text
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in conversations]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert texts == expected
+    for updates, seconds in counts.values():
+        # The first tokens at once, then one update a second at most (at most 4 running: interval >= 0.25 s).
+        assert updates <= 2 + seconds / 0.25, counts

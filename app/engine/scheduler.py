@@ -262,15 +262,15 @@ class Scheduler:
         request.last_token = None if ended else token
         self._deliver(request, ended)
 
-    @staticmethod
-    def _deliver(request: Request, ended: bool) -> None:
-        """Hand new tokens to the caller: the first at once, then at most every STREAM_UPDATE_INTERVAL_S.
+    def _deliver(self, request: Request, ended: bool) -> None:
+        """Hand new tokens to the caller: the first at once, then at most every stream_update_interval.
 
         Waking hundreds of callers at every step would cost the GIL more than the step itself.
         """
         now = time.perf_counter()
         fresh = request.generated[request.delivered:]
-        if fresh and (ended or not request.delivered or now - request.delivered_at >= limits.STREAM_UPDATE_INTERVAL_S):
+        due = now - request.delivered_at >= stream_update_interval(len(self._running))
+        if fresh and (ended or not request.delivered or due):
             request.emit("tokens", fresh)
             request.delivered, request.delivered_at = len(request.generated), now
         if ended:
@@ -289,6 +289,11 @@ class Scheduler:
                     self._running[index] = self._running[last]
                 self._running.pop()
             self._changed.notify_all()
+
+
+def stream_update_interval(running: int) -> float:
+    """Seconds between two updates of one reply while `running` replies stream (see STREAM_UPDATES_PER_S)."""
+    return max(limits.STREAM_UPDATE_INTERVAL_S, running / limits.STREAM_UPDATES_PER_S)
 
 
 def release_gpu_memory(error: Exception) -> None:
