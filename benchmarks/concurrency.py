@@ -25,6 +25,8 @@ from contextlib import closing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.real_shape import DEFAULT_FOLDER, QUESTION, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.cpu_use import CpuUse, own_cpu_seconds  # noqa: E402
+from benchmarks.streaming_client import streamed_outputs  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -57,7 +59,7 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
     started = time.perf_counter()
     first = None
     job = client.submit(QUESTION, [handle_file(image_path)], settings, api_name="/ask")
-    for reply, _ in job:
+    for reply, _ in streamed_outputs(job, poll_s=0.01):  # 200 users' threads: 10 ms polls
         if abort.is_set():
             job.cancel()
             raise Aborted
@@ -111,18 +113,22 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
 
     ready.put(True)
     go.wait()
-    started = time.time()
-    out.put(drive_users(users, started + duration, started + duration + grace, make_requester))
+    started, cpu_started = time.time(), own_cpu_seconds()
+    results = drive_users(users, started + duration, started + duration + grace, make_requester)
+    out.put((*results, own_cpu_seconds() - cpu_started, time.time() - started))
 
 
-def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None) -> dict:
+def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
+              engine_pid: int | None = None) -> dict:
     """One level; in-process users call `make_requester`, or `app` = (url, image, settings) runs clients
     in up to CLIENT_PROCESSES processes. `metrics` (the engine's) says where the scheduler's time went
-    and how much GPU memory the level took at most."""
+    and how much GPU memory the level took at most; the CPU each process used is measured too."""
     import multiprocessing
 
     metrics.reset()  # also the GPU memory peak
+    client_cores = 0.0
     if app is None:
+        cpu = CpuUse(engine_pid or os.getpid())
         started = time.time()
         results, failures, unfinished = drive_users(users, started + duration, started + duration + grace, make_requester)
     else:
@@ -137,6 +143,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
             process.start()
         for _ in processes:
             ready.get(timeout=300)
+        cpu = CpuUse(engine_pid or os.getpid())
         started = time.time()
         go.set()
         results, failures, unfinished = [], [], 0
@@ -145,8 +152,10 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
             results += part[0]
             failures += part[1]
             unfinished += part[2]
+            client_cores += part[3] / part[4]
         for process in processes:
             process.join(30)
+    cores = cpu.cores()
     ended = max([r[3] for r in results], default=time.time())
     window = ended - started
     ttfts, latencies = [r[0] for r in results], [r[1] for r in results]
@@ -176,6 +185,8 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         "decode_busy_share": round(busy["decode"] / window, 3),
         "prefill_ms_per_wave": round(1000 * busy["prefill"] / engine["prefill_waves"], 1) if engine["prefill_waves"] else None,
         "decode_ms_per_step": round(1000 * busy["decode"] / engine["decode_steps"], 2) if engine["decode_steps"] else None,
+        # Cores each process used on average (this one: the users' threads, or in app mode the web server).
+        "cpu_cores": {**cores, "clients": round(client_cores, 2)} if app else cores,
         "failure_examples": failures[:3],
     }
 
@@ -230,7 +241,7 @@ def main() -> None:
         "new_tokens": args.new_tokens, "duration_s": args.duration, "levels": [],
     }
     for users in levels:
-        level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app)
+        level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None))
         report["levels"].append(level)
         print(json.dumps(level), flush=True)
     if args.json:

@@ -57,12 +57,18 @@ class EngineProcess:
         self._process = None
         self._connection = None
         self._closing = False
+        self._default_settings = None  # cached per loaded model (see default_settings)
 
     # Life of the engine process --------------------------------------------------------------------
 
     @property
     def loaded(self) -> bool:
         return self._ready.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (tools that watch its CPU use); None before load()."""
+        return self._process.pid if self._process is not None else None
 
     def load(self) -> None:
         """Start the engine process and wait until it has loaded the model (errors of the load are raised here)."""
@@ -83,6 +89,7 @@ class EngineProcess:
         if self._process is None:
             atexit.register(self.close)  # before multiprocessing stops the process, so that it is not restarted
         self._process, self._connection = process, ours
+        self._default_settings = None
         threading.Thread(target=self._read, args=(process, ours), name="engine-reader", daemon=True).start()
         self._ready.set()
         self._tokenizer_for(self.info().path)  # loaded now rather than in the first reply
@@ -160,7 +167,10 @@ class EngineProcess:
         return self._call("info")
 
     def default_settings(self):
-        return self._call("default_settings")
+        # Every request starts from them and they change only with the model: a round trip per load, not per request.
+        if self._default_settings is None:
+            self._default_settings = self._call("default_settings")
+        return self._default_settings
 
     def plan_images(self, paths, settings):
         return self._call("plan_images", paths, settings)
@@ -174,7 +184,10 @@ class EngineProcess:
         return self._call("active_generations")
 
     def switch(self, model: str) -> dict:
-        result = self._call("switch", model)
+        try:
+            result = self._call("switch", model)
+        finally:
+            self._default_settings = None
         self.config = replace(self.config, model=model)  # so that a restarted engine process loads this one
         self._tokenizer_for(self.info().path)
         return result
