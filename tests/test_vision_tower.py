@@ -1,9 +1,12 @@
-"""The vision tower's grouped attention: the same result as one attention call per slice."""
+"""The vision tower's inputs and grouped attention."""
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from app.engine import vision_tower
+from app.engine.inputs import prepare_inputs
+from app.engine.settings import GenerationSettings
+from tests.conftest import make_image
 
 
 def per_slice_attention(query, key, value, lengths, scale):
@@ -29,3 +32,15 @@ def test_grouped_attention_equals_one_call_per_slice(monkeypatch):
         grouped, _ = vision_tower.grouped_varlen_attention(None, query, key, value, scaling=0.3, cu_seq_lens_q=bounds)
         assert grouped.shape == (1, tokens, heads, dim)
         torch.testing.assert_close(grouped, per_slice_attention(query, key, value, lengths, 0.3), rtol=0, atol=1e-6)
+
+
+def test_pixels_come_prepared_in_the_towers_dtype(manager, tmp_path):
+    messages = [{"role": "user", "content": [{"type": "image", "path": make_image(tmp_path, "p.png")},
+                                             {"type": "text", "text": "What is this?"}]}]
+    settings = GenerationSettings(max_new_tokens=8)
+    as_processed = prepare_inputs(manager.processor, messages, settings, 4096)
+    as_sent = prepare_inputs(manager.processor, messages, settings, 4096, pixel_dtype=torch.bfloat16)
+    assert as_processed.tensors["pixel_values"].dtype == torch.float32
+    assert as_sent.tensors["pixel_values"].dtype == torch.bfloat16
+    # What the model's own cast would have made of them.
+    assert torch.equal(as_sent.tensors["pixel_values"], as_processed.tensors["pixel_values"].to(torch.bfloat16))

@@ -64,14 +64,13 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
     for start in turn_starts:
         prepared = _prepare(processor, messages[start:], settings, images)
-        if pixel_dtype is not None:
-            for key in PIXEL_KEYS:
-                if prepared.tensors.get(key) is not None:
-                    prepared.tensors[key] = prepared.tensors[key].to(pixel_dtype)
         needed = prepared.prompt_tokens + settings.max_new_tokens
         if needed <= max_context_tokens:
             if start:
                 prepared.notices.insert(0, limits.MSG_CONTEXT_TRIMMED.format(count=start, limit=max_context_tokens))
+            for key in PIXEL_KEYS if pixel_dtype is not None else ():
+                if prepared.tensors.get(key) is not None:
+                    prepared.tensors[key] = prepared.tensors[key].to(pixel_dtype)
             return prepared
     raise UserError(limits.MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
 
