@@ -133,6 +133,23 @@ def test_a_reply_that_ends_while_reasoning_leaves_no_spinner(browser, server_url
     page.close()
 
 
+def test_stopping_a_reply_while_it_reasons_leaves_no_spinner(browser, server_url, manager):
+    page = open_page(browser, server_url)
+    set_max_new_tokens(page, 4000)
+    page.get_by_label("Thinking (reason before answering)").check()
+    page.locator("#chat-input textarea").fill("Think about it for a long time.")
+    page.locator("#chat-input textarea").press("Enter")
+    reasoning = page.locator("#chat .thought-group")
+    reasoning.first.wait_for(timeout=30_000)
+    assert reasoning.locator(".loading-spinner").count() >= 1  # streaming inside the reasoning block
+    page.locator("#chat-input .stop-button").click()
+    assert wait_for(lambda: manager.active_generations == 0, 10)
+    page.wait_for_timeout(1000)
+    assert reasoning.count() >= 1  # what it had reasoned stays on the page
+    assert reasoning.locator(".loading-spinner").count() == 0  # stopped, so not "still thinking"
+    page.close()
+
+
 def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager, monkeypatch):
     from app.engine.manager import ReplyUpdate
 

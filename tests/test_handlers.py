@@ -117,3 +117,15 @@ def test_a_reply_that_ends_while_thinking_closes_its_reasoning(handlers, manager
     _, final = run(handlers, manager, history, enable_thinking=True, max_new_tokens=4)
     shown = final[-2]["content"]  # the token limit came inside the reasoning block: the last reply closes it
     assert shown.rfind("</think>") > shown.rfind("<think>")
+
+
+def test_stop_marks_the_reasoning_it_cut_off_as_done():
+    pending = {"title": "Reasoning", "status": "pending"}
+    earlier = {"role": "assistant", "metadata": dict(pending), "content": "an older turn's, left as it is"}
+    history = [{"role": "user", "content": "First?"}, earlier, {"role": "user", "content": "Think."},
+               {"role": "assistant", "metadata": dict(pending), "content": [{"type": "text", "text": "Hmm"}]}]
+    ended = Handlers.end_stopped_reply(history)
+    assert ended[-1]["metadata"] == {"title": "Reasoning", "status": "done"}
+    assert ended[-1]["content"] == history[-1]["content"] and ended[:3] == history[:3]
+    assert history[-1]["metadata"]["status"] == "pending"  # the input is not changed in place
+    assert Handlers.end_stopped_reply(None) == []

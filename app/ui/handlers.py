@@ -137,6 +137,19 @@ class Handlers:
             gr.Warning(str(error))
             yield _without_last_turn(history) + [error_message(str(error))]
 
+    @staticmethod
+    def end_stopped_reply(history: list) -> list:
+        """After Stop: reasoning cut off mid-way is marked done, or the page would show it as still
+        thinking forever (Gradio hands reasoning over as a message of its own, status "pending")."""
+        history = list(history or [])
+        for index in reversed(range(len(history))):
+            if history[index]["role"] != "assistant":
+                break
+            metadata = history[index].get("metadata") or {}
+            if metadata.get("status") == "pending":
+                history[index] = {**history[index], "metadata": {**metadata, "status": "done"}}
+        return history
+
     # Chat tab ---------------------------------------------------------------------------------------
 
     def add_chat_message(self, message: dict | None, camera_image: str | None, history: list):

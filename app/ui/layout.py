@@ -59,10 +59,12 @@ def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
 
 
 def _wire_answer(trigger, respond, chatbot, settings, stop_target, concurrency: int):
-    """Stream a reply after `trigger` succeeds; the stop control cancels it, which takes the request out of the batch."""
+    """Stream a reply after `trigger` succeeds; the stop control cancels it, which takes the request out of the
+    batch, and marks reasoning it cut off as done."""
     answer = trigger.success(respond, [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
                              concurrency_limit=concurrency, api_visibility="undocumented")
-    stop_target.stop(None, None, None, cancels=[answer])
+    stop_target.stop(Handlers.end_stopped_reply, [chatbot], [chatbot], cancels=[answer], concurrency_limit=None,
+                     api_visibility="private")
     return answer
 
 
