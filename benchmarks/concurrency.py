@@ -143,7 +143,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
             process.start()
         for _ in processes:
             ready.get(timeout=300)
-        cpu = CpuUse(engine_pid or os.getpid())
+        cpu = CpuUse(engine_pid or os.getpid(), clients=tuple(process.pid for process in processes))
         started = time.time()
         go.set()
         results, failures, unfinished = [], [], 0

@@ -53,9 +53,10 @@ def own_cpu_seconds() -> float:
 class CpuUse:
     """Cores used from its creation to `cores()`: this process, the engine process and its preparers."""
 
-    def __init__(self, engine_pid: int):
+    def __init__(self, engine_pid: int, clients: tuple[int, ...] = ()):
         self.engine_pid = engine_pid
-        self.workers = _children(engine_pid)  # the preparers (and, in-process, nothing else yet)
+        # The engine's children are its preparers (with --in-process-engine, the clients' processes too).
+        self.workers = [pid for pid in _children(engine_pid) if pid not in clients]
         self.started = time.time()
         self.start = self._read()
 
