@@ -3,6 +3,7 @@
 import os
 import socket
 import tempfile
+import time
 
 # Before anything imports huggingface_hub or gradio: no network, no telemetry, a private checkpoint cache.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -94,6 +95,14 @@ def picture_requests(folder, count: int, seed: int, question: str) -> dict[int, 
         size = (int(rng.integers(32, 900)), int(rng.integers(32, 900)))
         requests[i] = (question.format(i=i), make_image(folder, f"user{i}.png", size, color))
     return requests
+
+
+def wait_for(condition, seconds: float) -> bool:
+    """Poll `condition` until it holds or `seconds` pass; its last value."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
 
 
 def frame_index(frame) -> int:

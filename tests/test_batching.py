@@ -28,20 +28,25 @@ def reply(manager, messages, settings) -> str:
     return last.text
 
 
-def all_at_once(manager, conversations: dict, settings) -> dict:
-    """Every conversation's reply, all started together from their own threads."""
-    replies, start = {}, threading.Barrier(len(conversations))
+def together(keys, run) -> dict:
+    """{key: run(key)}, every call started at the same moment from a thread of its own."""
+    results, start = {}, threading.Barrier(len(keys))
 
-    def run(key):
+    def one(key):
         start.wait()
-        replies[key] = reply(manager, conversations[key], settings)
+        results[key] = run(key)
 
-    threads = [threading.Thread(target=run, args=(key,)) for key in conversations]
+    threads = [threading.Thread(target=one, args=(key,)) for key in keys]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    return replies
+    return results
+
+
+def all_at_once(manager, conversations: dict, settings) -> dict:
+    """Every conversation's reply, all started together from their own threads."""
+    return together(list(conversations), lambda key: reply(manager, conversations[key], settings))
 
 
 def metric(server_url: str, name: str) -> float:
@@ -266,20 +271,13 @@ def test_replies_are_updated_less_often_when_many_stream_at_once(manager, tmp_pa
                              ("image", make_image(tmp_path, f"s{i}.png", (64, 64), (60 * i, 90, 30))))
                      for i in range(4)}
     expected = {key: reply(manager, messages, greedy(64)) for key, messages in conversations.items()}
-    counts, texts, start = {}, {}, threading.Barrier(4)
 
-    def run(key):
-        start.wait()
+    def run(key):  # (updates before the last, seconds taken, the reply's text)
         started, updates = time.perf_counter(), list(manager.stream(conversations[key], greedy(64)))
-        counts[key] = (sum(1 for update in updates if update.text and update.stats is None), time.perf_counter() - started)
-        texts[key] = updates[-1].text
+        return sum(1 for update in updates if update.text and update.stats is None), time.perf_counter() - started, updates[-1].text
 
-    threads = [threading.Thread(target=run, args=(key,)) for key in conversations]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert texts == expected
-    for updates, seconds in counts.values():
+    counts = together(list(conversations), run)
+    assert {key: text for key, (_, _, text) in counts.items()} == expected
+    for updates, seconds, _ in counts.values():
         # The first tokens at once, then one update a second at most (at most 4 running: interval >= 0.25 s).
         assert updates <= 2 + seconds / 0.25, counts

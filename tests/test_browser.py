@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.conftest import ARTIFACTS
+from tests.conftest import ARTIFACTS, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 STATS_LINE = re.compile(r"\d[\d,]* visual tokens · first token")
@@ -47,13 +47,6 @@ def set_max_new_tokens(page, value: int) -> None:
     box = page.get_by_label("number input for Max new tokens")
     box.fill(str(value))
     box.press("Enter")
-
-
-def wait_for(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 def chat_text(page) -> str:

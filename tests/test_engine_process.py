@@ -3,7 +3,6 @@
 import os
 import signal
 import threading
-import time
 from contextlib import closing
 
 import pytest
@@ -13,7 +12,7 @@ from app.config import AppConfig
 from app.engine.engine_process import EngineProcess
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
-from tests.conftest import free_port, make_image, picture_requests
+from tests.conftest import free_port, make_image, picture_requests, wait_for
 from tests.test_api import FIXED, stream
 
 
@@ -27,13 +26,6 @@ def reply(engine, messages, settings):
     for last in engine.stream(messages, settings):
         pass
     return last
-
-
-def wait_for(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 @pytest.fixture(scope="module")

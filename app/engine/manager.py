@@ -337,16 +337,14 @@ class ModelManager:
         ("refused") and counted, not raised.
         """
         version = self._version
-        prepared = self.prepare(messages, settings)
-        emit("prepared", prepared_summary(prepared, self.source.path, time.perf_counter()))
 
-        def prepare_again() -> PreparedInputs:  # the model was switched while the request waited
-            again = self.prepare(messages, settings)
-            emit("prepared", prepared_summary(again, self.source.path, time.perf_counter()))
-            return again
+        def prepare_and_tell() -> PreparedInputs:  # again if the model was switched while the request waited
+            prepared = self.prepare(messages, settings)
+            emit("prepared", prepared_summary(prepared, self.source.path, time.perf_counter()))
+            return prepared
 
-        request = Request(prepared=prepared, settings=settings, version=version, requested_at=requested_at,
-                          prepare_again=prepare_again, emit=emit, cancelled=cancelled or threading.Event())
+        request = Request(prepared=prepare_and_tell(), settings=settings, version=version, requested_at=requested_at,
+                          prepare_again=prepare_and_tell, emit=emit, cancelled=cancelled or threading.Event())
         try:
             self.scheduler.submit(request)
         except UserError as error:
@@ -377,12 +375,14 @@ def prepared_summary(prepared: PreparedInputs, model_path: str, prepared_at: flo
         "model_path": model_path,  # whose tokenizer turns the reply's tokens into text
         "notices": list(prepared.notices),
         "opens_thinking": prepared.opens_thinking,
-        "visual_tokens": prepared.visual_tokens,
-        "image_tokens": prepared.image_tokens,
-        "video_tokens": prepared.video_tokens,
-        "video_frames": prepared.video_frames,
-        "prompt_tokens": prepared.prompt_tokens,
         "prepared_at": prepared_at,
+        "counts": {  # the reply's stats start with these
+            "visual_tokens": prepared.visual_tokens,
+            "image_tokens": prepared.image_tokens,
+            "video_tokens": prepared.video_tokens,
+            "video_frames": prepared.video_frames,
+            "prompt_tokens": prepared.prompt_tokens,
+        },
     }
 
 
@@ -423,7 +423,7 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
         outcome = "finished"
     finally:
         close(outcome)
-    stats = {key: prepared[key] for key in ("visual_tokens", "image_tokens", "video_tokens", "video_frames", "prompt_tokens")}
+    stats = dict(prepared["counts"])
     stats.update(timing_stats(value["new_tokens"], requested_at, prepared["prepared_at"], value["started_at"],
                               value["first_token_at"], time.perf_counter()))
     yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats)

@@ -269,8 +269,8 @@ class Scheduler:
         """
         now = time.perf_counter()
         fresh = request.generated[request.delivered:]
-        due = now - request.delivered_at >= stream_update_interval(len(self._running))
-        if fresh and (ended or not request.delivered or due):
+        if fresh and (ended or not request.delivered
+                      or now - request.delivered_at >= stream_update_interval(len(self._running))):
             request.emit("tokens", fresh)
             request.delivered, request.delivered_at = len(request.generated), now
         if ended:
