@@ -1,12 +1,16 @@
-"""The vision tower's inputs and grouped attention."""
+"""The vision tower's inputs, grouped attention, precomputed slice layout and one-pass merger."""
 
+import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from app.engine import vision_tower
+from app.engine.batch_runner import BatchRunner
 from app.engine.inputs import prepare_inputs
+from app.engine.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 from app.engine.settings import GenerationSettings
-from tests.conftest import make_image
+from tests.conftest import make_image, make_video
 
 
 def per_slice_attention(query, key, value, lengths, scale):
@@ -44,3 +48,32 @@ def test_pixels_come_prepared_in_the_towers_dtype(manager, tmp_path):
     assert as_sent.tensors["pixel_values"].dtype == torch.bfloat16
     # What the model's own cast would have made of them.
     assert torch.equal(as_sent.tensors["pixel_values"], as_processed.tensors["pixel_values"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
+def test_tuned_tower_gives_the_models_own_features(config, tmp_path):
+    """Images of three sizes (slices of several sizes side by side) in both downsample modes, and a video:
+    the tuned tower (grouped attention, precomputed layout, one-pass merger) against the model as shipped."""
+    folder = str(tmp_path / "checkpoint")
+    build_random_checkpoint(folder, config)
+    processor = AutoProcessor.from_pretrained(folder)
+    as_shipped = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval()
+    runner = BatchRunner(AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval())
+    images = [make_image(tmp_path, f"{i}.png", size, (40 * i, 90, 200 - 40 * i))
+              for i, size in enumerate([(1344, 1344), (700, 300), (180, 900)])]
+    video = make_video(tmp_path, seconds=3, fps=4)
+    for mode in ("16x", "4x"):
+        settings = GenerationSettings(max_new_tokens=8, downsample_mode=mode)
+        requests = [[{"role": "user", "content": [{"type": "image", "path": path} for path in paths] + [{"type": "text", "text": "?"}]}]
+                    for paths in (images[:1], images[1:])]
+        requests.append([{"role": "user", "content": [{"type": "video", "path": video}, {"type": "text", "text": "?"}]}])
+        tensors = [prepare_inputs(processor, messages, settings, 8192).tensors for messages in requests]
+        with torch.no_grad():
+            tuned = runner.encode_media([(t, mode) for t in tensors])
+            for t, features in zip(tensors, tuned):
+                if "pixel_values_videos" in t and t["pixel_values_videos"] is not None:
+                    shipped = as_shipped.model.get_video_features(t["pixel_values_videos"], t["target_sizes_videos"],
+                                                                  downsample_mode=mode)
+                else:
+                    shipped = as_shipped.model.get_image_features(t["pixel_values"], t["target_sizes"], downsample_mode=mode)
+                torch.testing.assert_close(features, torch.cat(shipped.pooler_output), rtol=1e-4, atol=1e-5)

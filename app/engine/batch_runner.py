@@ -14,7 +14,7 @@ import torch
 
 from app import limits
 from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
-from app.engine.vision_tower import tune_vision_tower
+from app.engine.vision_tower import slice_layout, tune_vision_tower
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,10 @@ class BatchRunner:
         by_mode: dict[str, list[int]] = {}
         for index, (tensors, mode) in enumerate(batch):
             if tensors.get("pixel_values_videos") is not None:
-                output = self.model.model.get_video_features(
-                    tensors["pixel_values_videos"].to(self.device), tensors["target_sizes_videos"].to(self.device),
-                    downsample_mode=mode)
+                frames, sizes = tensors["pixel_values_videos"], tensors["target_sizes_videos"]
+                # The model repeats the sizes per frame the same way before its tower.
+                layout = slice_layout(self.model, sizes.repeat(frames.shape[0], 1))
+                output = self.model.model.get_video_features(frames.to(self.device), sizes, downsample_mode=mode, **layout)
                 features[index] = torch.cat(output.pooler_output)
             elif tensors.get("pixel_values") is not None:
                 by_mode.setdefault(mode, []).append(index)
@@ -78,7 +79,10 @@ class BatchRunner:
             # Joined on the GPU: a wave's pixels are hundreds of MB, too many to copy once more on the CPU.
             pixels = torch.cat([batch[i][0]["pixel_values"].to(self.device, non_blocking=True) for i in indices], dim=-1)
             sizes = [batch[i][0]["target_sizes"] for i in indices]
-            output = self.model.model.get_image_features(pixels, torch.cat(sizes).to(self.device), downsample_mode=mode)
+            # Sizes stay on the CPU: the model reads them slice by slice, and each read from the GPU waits for it.
+            all_sizes = torch.cat(sizes)
+            output = self.model.model.get_image_features(pixels, all_sizes, downsample_mode=mode,
+                                                         **slice_layout(self.model, all_sizes))
             per_image = iter(output.pooler_output)
             for index, request_sizes in zip(indices, sizes):
                 features[index] = torch.cat([next(per_image) for _ in range(len(request_sizes))])

@@ -1,11 +1,18 @@
-"""How the vision tower runs: one attention call per run of equal-size slices, on contiguous hidden states.
+"""How the vision tower runs: one attention call per run of equal-size slices, and no work slice by slice.
 
 MiniCPM-V packs every slice of every image into one sequence. Without flash-attention, transformers
 splits it and calls SDPA once per slice and layer: 270 calls for one 1344x1344 image, launch-bound on
 a GPU. Slices of the same size lie side by side (an image's 3x3 grid, a wave of same-size photos, the
 merger's equal windows), so each run of equal lengths becomes one batched call. Registered under a
 name containing "flash" because that is what routes the model's packed (cu_seqlens) inputs to it.
+
+Around the layers, the model also works slice by slice: position ids and window order (small tensor
+programs per slice, on every call) and the final merger (a loop of a dozen kernels and a few GPU syncs
+per slice: 160 slices in a 16-image wave). `slice_layout` hands the tower the first two precomputed,
+from a cache per slice size, and `merge_slices` merges every slice in one pass.
 """
+
+import functools
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -25,8 +32,7 @@ def grouped_varlen_attention(module, query, key, value, attention_mask=None, sca
     [batch, length, heads, dim]: runs taken as views of that layout copy nothing, where reshaping the
     [1, heads, tokens, dim] views copied query, key, value and output in every layer.
     """
-    bounds = cu_seq_lens_q.tolist()
-    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    lengths = _segment_lengths(cu_seq_lens_q)
     heads, dim = query.shape[1], query.shape[3]
     most = max(1, MAX_GRID_ROWS // heads)
     outputs, start, index = [], 0, 0
@@ -45,9 +51,24 @@ def grouped_varlen_attention(module, query, key, value, attention_mask=None, sca
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None], None
 
 
+_last_bounds = (None, [])  # (cu_seqlens tensor, its segment lengths): every layer gets the same tensor
+
+
+def _segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    """Segment lengths of packed bounds, read from the GPU once per tensor rather than once per layer
+    (each read waits for all queued work)."""
+    global _last_bounds
+    known, lengths = _last_bounds
+    if known is not cu_seqlens:
+        bounds = cu_seqlens.tolist()
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+        _last_bounds = (cu_seqlens, lengths)
+    return lengths
+
+
 def tune_vision_tower(model) -> None:
-    """Route the vision tower's attention here unless a flash-attention kernel was asked for, and make
-    its patch embeddings contiguous.
+    """Route the vision tower's attention here unless a flash-attention kernel was asked for, make its
+    patch embeddings contiguous, and merge its slices in one pass.
 
     The embeddings come out of the patch convolution as a transposed view; residual adds then mix two
     memory layouts and take PyTorch's slow strided path, and layer norms copy their input first. One
@@ -60,3 +81,70 @@ def tune_vision_tower(model) -> None:
     vision_config = model.model.vision_tower.config
     if vision_config._attn_implementation in ("sdpa", "eager", None):
         vision_config._attn_implementation = NAME
+    merger = model.model.merger
+    merger.forward = functools.partial(merge_slices, merger)
+
+
+def slice_layout(model, target_sizes: torch.Tensor) -> dict:
+    """Keyword arguments for get_image_features / get_video_features: what the tower would otherwise
+    work out slice by slice (transformers.vision_utils takes each precomputed under these names), for
+    slices of `target_sizes` [slices, 2] (patches high, wide). Empty unless the tower's attention is
+    ours: a flash-attention kernel would also receive these names and might read them."""
+    tower = model.model.vision_tower
+    if tower.config._attn_implementation != NAME:
+        return {}
+    sizes = [tuple(size) for size in target_sizes.tolist()]
+    counts = torch.tensor([height * width for height, width in sizes])
+    starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
+    window = tower.vit_merger.window_kernel_size[0]
+    orders, ends = zip(*(_window_order(size, window) for size in sizes))
+    window_starts = (counts.cumsum(0) - counts).repeat_interleave(torch.tensor([len(end) for end in ends]))
+    return {
+        "position_ids": torch.cat([_position_ids(size, tower.embeddings.num_patches_per_side) for size in sizes]),
+        "max_seqlen": int(counts.max()),
+        "window_index": torch.cat(orders) + starts,
+        "cu_window_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), (torch.cat(ends) + window_starts).int()]),
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def _position_ids(size: tuple[int, int], per_side: int) -> torch.Tensor:
+    from transformers.vision_utils import get_vision_nearest_position_ids
+
+    return get_vision_nearest_position_ids(torch.tensor([size]), per_side)
+
+
+@functools.lru_cache(maxsize=256)
+def _window_order(size: tuple[int, int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One slice's token order for the merger's window attention, and where its windows end."""
+    from transformers.vision_utils import get_vision_window_index
+
+    order, bounds = get_vision_window_index(torch.tensor([[1, *size]]), spatial_merge_size=1, window_size=window,
+                                            patch_size=1)
+    return order, bounds[1:].long()
+
+
+def merge_slices(merger, hidden_states: torch.Tensor, target_sizes: torch.Tensor) -> list[torch.Tensor]:
+    """The model's final merger (MiniCPMV4_6Merger.forward) over all slices at once: each round gathers
+    every slice's 2x2 (merge kernel) neighbourhoods side by side, then runs its MLP once on them all.
+    Features per slice, as the model's loop returns them."""
+    merge_h, merge_w = merger.merge_kernel_size
+    sizes = [tuple(size) for size in target_sizes.tolist()]
+    hidden = hidden_states[0]
+    for mlp in merger.mlp:
+        if any(height % merge_h or width % merge_w for height, width in sizes):
+            raise ValueError(f"Patch grids {sizes} must be divisible by merge kernel size {merger.merge_kernel_size}")
+        counts = torch.tensor([height * width for height, width in sizes])
+        order = torch.cat([_merge_order(size, merge_h, merge_w) for size in sizes])
+        order += (counts.cumsum(0) - counts).repeat_interleave(counts)
+        hidden = mlp(hidden[order.to(hidden.device)].reshape(-1, merge_h * merge_w * hidden.shape[-1]))
+        sizes = [(height // merge_h, width // merge_w) for height, width in sizes]
+    return list(hidden.split([height * width for height, width in sizes]))
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_order(size: tuple[int, int], merge_h: int, merge_w: int) -> torch.Tensor:
+    """One slice's tokens (row-major) reordered so that each merge neighbourhood is consecutive."""
+    height, width = size
+    grid = torch.arange(height * width).view(height // merge_h, merge_h, width // merge_w, merge_w)
+    return grid.permute(0, 2, 1, 3).reshape(-1)
