@@ -118,6 +118,13 @@ class ModelManager:
         started = time.perf_counter()
         self.source = resolve_model(self.config.model)
         self.device = pick_device(self.config.device)
+        if self._on_cuda:
+            # The model runs on the GPU: this process's own tensor work is small index lists, which torch's
+            # pool of a thread per core made slower while it kept 15 threads spinning (1.1 cores at 200
+            # users on a 16-core H200 box, benchmarks/RESULTS.md), cores the preparers need.
+            import torch
+
+            torch.set_num_threads(1)
         dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.processor = load_model_and_processor(
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code,
