@@ -5,7 +5,8 @@ greedy. Each level runs for --duration seconds of new requests, then waits up to
 flight; unfinished ones are reported, not hidden. Two modes:
   --mode engine  the engine called from this script, as a Python program would (what the GPU can do),
   --mode app     the full app through gradio_client (what a browser user gets); the clients run in
-                 processes of their own, so that they do not slow the server down.
+                 processes of their own, so that they do not slow the server down, and connect before
+                 the level's clock starts, as users whose page is open (connecting is timed apart).
 Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
 it in the benchmark's (or the app's) process instead, as before that split.
 Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
@@ -107,11 +108,18 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
     """Clients in a process of their own, so that they do not share the server's GIL."""
     from gradio_client import Client
 
+    # A client's first contact fetches the app's config and API description, and its first request
+    # builds a session in the server: heavy work for the web process that a user with the page open
+    # has behind them. Done here, 200 clients connecting at once took seconds of a level's window.
+    connecting = time.time()
+    clients = [Client(url, verbose=False) for _ in range(users)]
+    connect_s = time.time() - connecting
+
     def make_requester():
-        client = Client(url, verbose=False)
+        client = clients.pop()
         return lambda abort: app_request(client, image_path, settings, abort)
 
-    ready.put(True)
+    ready.put(connect_s)
     go.wait()
     started, cpu_started = time.time(), own_cpu_seconds()
     results = drive_users(users, started + duration, started + duration + grace, make_requester)
@@ -141,8 +149,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
                      for share in shares if share]
         for process in processes:
             process.start()
-        for _ in processes:
-            ready.get(timeout=300)
+        connect_s = max(ready.get(timeout=600) for _ in processes)
         cpu = CpuUse(engine_pid or os.getpid(), clients=tuple(process.pid for process in processes))
         started = time.time()
         go.set()
@@ -187,6 +194,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         "decode_ms_per_step": round(1000 * busy["decode"] / engine["decode_steps"], 2) if engine["decode_steps"] else None,
         # Cores each process used on average (this one: the users' threads, or in app mode the web server).
         "cpu_cores": {**cores, "clients": round(client_cores, 2)} if app else cores,
+        **({"clients_connect_s": round(connect_s, 1)} if app else {}),
         "failure_examples": failures[:3],
     }
 

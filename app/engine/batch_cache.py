@@ -103,11 +103,14 @@ class _CacheView:
 
 class PrefillCache(_CacheView):
     """Fresh sequences run together from their first token, left-padded to one length; row i lands in
-    slot `slots[i]` with its `lengths[i]` real tokens (the last ones of its row)."""
+    slot `first_slot + i` with its `lengths[i]` real tokens (the last ones of its row)."""
 
-    def __init__(self, store: SlotStore, slots: list[int], lengths: list[int]):
+    def __init__(self, store: SlotStore, first_slot: int, lengths: list[int]):
         super().__init__(store)
-        self.slots = slots
+        # A range, not a list of slots: indexing with a list copies it to the GPU and waits for the GPU
+        # first, twice per DeltaNet layer (36 waits in a wave).
+        self.slots = slice(first_slot, first_slot + len(lengths))
+        self.first_slot = first_slot
         self.lengths = lengths
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
@@ -134,7 +137,8 @@ class PrefillCache(_CacheView):
         keys = self.store.ensure_layer(self.store.keys, layer_idx, key_states, columns=True)
         values = self.store.ensure_layer(self.store.values, layer_idx, value_states, columns=True)
         padded = key_states.shape[2]
-        for row, (slot, length) in enumerate(zip(self.slots, self.lengths)):
+        for row, length in enumerate(self.lengths):
+            slot = self.first_slot + row
             keys[slot, :, :length] = key_states[row, :, padded - length:]
             values[slot, :, :length] = value_states[row, :, padded - length:]
         return key_states, value_states

@@ -130,7 +130,7 @@ class BatchRunner:
             inputs_embeds=torch.cat(embeds),
             attention_mask=masks,
             position_ids=torch.cat([positions[None], rope]),
-            past_key_values=PrefillCache(self.store, list(range(first_slot, first_slot + count)), lengths),
+            past_key_values=PrefillCache(self.store, first_slot, lengths),
             use_cache=True,
         )
         self.store.lengths[first_slot:first_slot + count] = torch.tensor(lengths, device=self.device)
