@@ -4,8 +4,8 @@ A 1344x1344 image is 10 slices of 1,024 patches (16 heads of dimension 72): 7 la
 slices of 1,024 tokens, the merger within 2x2 windows (2,560 of 4 tokens a slice), and 20 layers within
 slices of 256 tokens. `app/engine/vision_tower.py` makes one call per run of equal slices (split under
 CUDA's grid limit); this times such calls for --images images under each kernel PyTorch offers, and
-checks that each gives the flash kernel's output; "tower" is the call as the tower makes it now (cuDNN
-first, batched matmuls for short segments). Run on a GPU machine:
+checks that each gives the flash kernel's output; "tower" is the call as the tower makes it (SDPA's
+default choice, one call per run of equal segments). Run on a GPU machine:
 
     python benchmarks/vision_attention.py --images 1 16 32 --json vision_attention.json
 """

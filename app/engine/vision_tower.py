@@ -15,7 +15,6 @@ from a cache per slice size, and `merge_slices` merges every slice in one pass.
 import functools
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 NAME = "grouped_sdpa_flash_varlen"
@@ -23,13 +22,6 @@ NAME = "grouped_sdpa_flash_varlen"
 # batch and heads: the merger's 2x2 windows of a 32-image wave (81,920 windows) failed with "invalid
 # argument" on an H200. Longer runs are split into calls of at most this many rows times heads.
 MAX_GRID_ROWS = 65535
-# Segments this short (the merger's 4-token windows) are attended with two batched matmuls: SDPA's
-# kernels spend a thread block per segment and head, 23 ms for a 32-image wave's 81,920 windows on an
-# H200 where the matmuls only have to read and write the tensors (benchmarks/vision_attention.py).
-SMALL_SEGMENT = 16
-# cuDNN's attention first where it runs (CUDA): 1.6x flash's speed on the tower's 1,024- and 256-token
-# slices (head dimension 72) on an H200; elsewhere the usual order.
-SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def grouped_varlen_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
@@ -46,28 +38,17 @@ def grouped_varlen_attention(module, query, key, value, attention_mask=None, sca
     outputs, start, index = [], 0, 0
     while index < len(lengths):
         length, count = lengths[index], 1
-        small = length <= SMALL_SEGMENT
-        while index + count < len(lengths) and (small or count < most) and lengths[index + count] == length:
+        while index + count < len(lengths) and count < most and lengths[index + count] == length:
             count += 1
         end = start + length * count
 
         def run(tensor):  # [1, heads, tokens, dim] -> [count, heads, length, dim], a view when the layout allows
             return tensor.transpose(1, 2)[0, start:end].reshape(count, length, heads, dim).transpose(1, 2)
 
-        if small:
-            out = _small_segment_attention(run(query), run(key), run(value), scaling if scaling is not None else dim ** -0.5)
-        else:
-            with sdpa_kernel(SDPA_ORDER, set_priority=True):
-                out = scaled_dot_product_attention(run(query), run(key), run(value), scale=scaling)
+        out = scaled_dot_product_attention(run(query), run(key), run(value), scale=scaling)
         outputs.append(out.transpose(1, 2).reshape(count * length, heads, dim))
         start, index = end, index + count
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None], None
-
-
-def _small_segment_attention(query, key, value, scale: float) -> torch.Tensor:
-    """Attention within each of many short segments, [count, heads, length, dim], softmax in float32."""
-    weights = torch.softmax(torch.matmul(query, key.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32)
-    return torch.matmul(weights.to(value.dtype), value)
 
 
 _last_bounds = (None, [])  # (cu_seqlens tensor, its segment lengths): every layer gets the same tensor
