@@ -59,6 +59,21 @@ def test_the_engine_runs_in_another_process(engine):
     assert engine.max_context_tokens > 1000 and engine.active_generations == 0
 
 
+def test_every_preparing_worker_is_started_and_ready_with_the_preparer(tmp_path):
+    """Not started one by one as requests find none idle (some were still importing as users came)."""
+    from app.engine.preparers import ProcessPreparer
+    from app.engine.random_checkpoint import ensure_tiny_checkpoint
+
+    preparer = ProcessPreparer(ensure_tiny_checkpoint(), False, 2)
+    try:
+        workers = list(preparer._pool._processes.values())
+        assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
+        prepared = preparer.prepare(user("What is it?", make_image(tmp_path, "p.png")), GenerationSettings(), 4096)
+        assert prepared.visual_tokens == 640
+    finally:
+        preparer.close()
+
+
 def test_replies_equal_the_in_process_engine_token_for_token(engine, manager, tmp_path):
     """Same checkpoint, greedy: the text decoded here from the engine process's tokens is the in-process text."""
     settings = GenerationSettings(max_new_tokens=40, min_new_tokens=40, do_sample=False)
