@@ -1,0 +1,70 @@
+"""Next-token choice per row: greedy, minimum length, repetition penalty, temperature, top-k, top-p."""
+
+import torch
+
+from app.engine.sampling import RowSettings, next_tokens
+
+GREEDY = RowSettings(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+END = torch.tensor([3, 7])
+
+
+def sample(row: RowSettings, logits: torch.Tensor, draws: int = 4000) -> torch.Tensor:
+    """`draws` tokens drawn for one row's logits (the row repeated down a batch)."""
+    batch = logits.repeat(draws, 1)
+    return next_tokens(batch, [row] * draws, [None] * draws, [False] * draws, END)
+
+
+def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).float() / tokens.numel()
+
+
+def test_greedy_takes_the_argmax_and_a_barred_row_never_ends():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20)
+    logits[1, 3] = logits[2, 7] = 100.0  # rows 1 and 2 would end now
+    chosen = next_tokens(logits, [GREEDY] * 3, [None] * 3, [False, True, False], END)
+    allowed = logits[1].clone()
+    allowed[END] = float("-inf")
+    assert chosen[0] == logits[0].argmax() and chosen[1] == allowed.argmax() and chosen[2] == 7
+
+
+def test_a_repetition_penalty_turns_greedy_away_from_seen_tokens():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    penalised = RowSettings(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=2.0)
+    assert next_tokens(logits, [penalised], [torch.tensor([1])], [False], END).item() == 2  # 5 / 2 < 4
+    assert next_tokens(logits, [penalised], [torch.tensor([2])], [False], END).item() == 1
+
+
+def test_plain_sampling_follows_the_softmax_at_its_temperature():
+    torch.manual_seed(1)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    for temperature in (1.0, 0.5):
+        row = RowSettings(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
+        expected = (logits[0] / temperature).softmax(-1)
+        assert torch.allclose(frequencies(sample(row, logits, 20000), 4), expected, atol=0.015)
+
+
+def test_top_k_and_top_p_draw_only_from_their_tokens_in_proportion():
+    torch.manual_seed(2)
+    logits = torch.tensor([[2.0, 0.5, 3.0, -1.0, 1.0, 2.5, 0.0, -2.0]])
+    probabilities = logits[0].softmax(-1)
+    top3 = [2, 5, 0]  # the three largest logits
+    row = RowSettings(do_sample=True, temperature=1.0, top_k=3, top_p=1.0, repetition_penalty=1.0)
+    seen = frequencies(sample(row, logits, 20000), 8)
+    assert set(seen.nonzero().flatten().tolist()) == set(top3)
+    assert torch.allclose(seen[top3], probabilities[top3] / probabilities[top3].sum(), atol=0.015)
+    # Nucleus: tokens are kept while the mass before them is at most top_p (here the two largest).
+    nucleus = RowSettings(do_sample=True, temperature=1.0, top_k=0, top_p=0.6, repetition_penalty=1.0)
+    assert set(sample(nucleus, logits).unique().tolist()) == {2, 5}
+    both = RowSettings(do_sample=True, temperature=1.0, top_k=3, top_p=0.6, repetition_penalty=1.0)
+    assert set(sample(both, logits).unique().tolist()) == {2, 5}
+
+
+def test_rows_of_a_batch_keep_their_own_settings():
+    torch.manual_seed(3)
+    logits = torch.tensor([[2.0, 0.5, 3.0, -1.0, 1.0, 2.5, 0.0, -2.0]]).repeat(4, 1)
+    rows = [GREEDY, RowSettings(True, 1.0, 1, 1.0, 1.0), RowSettings(True, 1.0, 0, 0.01, 1.0),
+            RowSettings(True, 1.0, 2, 1.0, 1.0)]
+    for _ in range(50):
+        chosen = next_tokens(logits, rows, [None] * 4, [False] * 4, END).tolist()
+        assert chosen[:3] == [2, 2, 2] and chosen[3] in (2, 5)
