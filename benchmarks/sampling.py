@@ -11,9 +11,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.prefill import timed  # noqa: E402
 
 VOCAB = 248094
 
@@ -44,16 +45,9 @@ def main() -> None:
         logits = torch.randn(batch, VOCAB, device=device, dtype=torch.bfloat16)
         row = {"batch": batch}
         for name, setting in settings.items():
-            choose = lambda: next_tokens(logits, [setting] * batch, [None] * batch, [False] * batch, end_token_ids)  # noqa: E731
-            choose()
-            times = []
-            for _ in range(args.runs):
-                synchronize()
-                started = time.perf_counter()
-                choose()
-                synchronize()
-                times.append((time.perf_counter() - started) * 1000)
-            row[f"{name} ms"] = round(sorted(times)[len(times) // 2], 2)
+            milliseconds, _ = timed(synchronize, lambda: next_tokens(
+                logits, [setting] * batch, [None] * batch, [False] * batch, end_token_ids), args.runs)
+            row[f"{name} ms"] = round(milliseconds, 2)
         print(json.dumps(row), flush=True)
         results["rows"].append(row)
     if args.json:
