@@ -187,6 +187,10 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         "preprocess_ms_p95": percentile([r[4]["preprocess_ms"] for r in results], 0.95),
         "queue_ms_p50": percentile([r[4]["queue_ms"] for r in results], 0.5),
         "queue_ms_p95": percentile([r[4]["queue_ms"] for r in results], 0.95),
+        # App mode: the part of the client's time to first token spent outside the engine's reply (the
+        # upload, Gradio's queue until the handler runs, and the first update's way back to the client).
+        **({"outside_engine_ttft_ms_p50": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.5),
+            "outside_engine_ttft_ms_p95": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.95)} if app else {}),
         # Where the scheduler's time went over the whole level (the rest it waited for work).
         "prefill_busy_share": round(busy["prefill"] / window, 3),
         "decode_busy_share": round(busy["decode"] / window, 3),
