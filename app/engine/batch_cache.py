@@ -110,7 +110,6 @@ class PrefillCache(_CacheView):
         # A range, not a list of slots: indexing with a list copies it to the GPU and waits for the GPU
         # first, twice per DeltaNet layer (36 waits in a wave).
         self.slots = slice(first_slot, first_slot + len(lengths))
-        self.first_slot = first_slot
         self.lengths = lengths
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
@@ -138,7 +137,7 @@ class PrefillCache(_CacheView):
         values = self.store.ensure_layer(self.store.values, layer_idx, value_states, columns=True)
         padded = key_states.shape[2]
         for row, length in enumerate(self.lengths):
-            slot = self.first_slot + row
+            slot = self.slots.start + row
             keys[slot, :, :length] = key_states[row, :, padded - length:]
             values[slot, :, :length] = value_states[row, :, padded - length:]
         return key_states, value_states

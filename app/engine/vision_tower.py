@@ -95,16 +95,21 @@ def slice_layout(model, target_sizes: torch.Tensor) -> dict:
         return {}
     sizes = [tuple(size) for size in target_sizes.tolist()]
     counts = torch.tensor([height * width for height, width in sizes])
-    starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
     window = tower.vit_merger.window_kernel_size[0]
     orders, ends = zip(*(_window_order(size, window) for size in sizes))
-    window_starts = (counts.cumsum(0) - counts).repeat_interleave(torch.tensor([len(end) for end in ends]))
+    window_ends = torch.cat(ends) + _slice_starts(counts, torch.tensor([len(end) for end in ends]))
     return {
         "position_ids": torch.cat([_position_ids(size, tower.embeddings.num_patches_per_side) for size in sizes]),
         "max_seqlen": int(counts.max()),
-        "window_index": torch.cat(orders) + starts,
-        "cu_window_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), (torch.cat(ends) + window_starts).int()]),
+        "window_index": torch.cat(orders) + _slice_starts(counts, counts),
+        "cu_window_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), window_ends.int()]),
     }
+
+
+def _slice_starts(counts: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
+    """Where each slice's tokens start in the packed sequence (slices of `counts` tokens), slice i's
+    start repeated `repeats[i]` times: what turns per-slice indices into packed ones."""
+    return (counts.cumsum(0) - counts).repeat_interleave(repeats)
 
 
 @functools.lru_cache(maxsize=256)
@@ -135,8 +140,7 @@ def merge_slices(merger, hidden_states: torch.Tensor, target_sizes: torch.Tensor
         if any(height % merge_h or width % merge_w for height, width in sizes):
             raise ValueError(f"Patch grids {sizes} must be divisible by merge kernel size {merger.merge_kernel_size}")
         counts = torch.tensor([height * width for height, width in sizes])
-        order = torch.cat([_merge_order(size, merge_h, merge_w) for size in sizes])
-        order += (counts.cumsum(0) - counts).repeat_interleave(counts)
+        order = torch.cat([_merge_order(size, merge_h, merge_w) for size in sizes]) + _slice_starts(counts, counts)
         hidden = mlp(hidden[order.to(hidden.device)].reshape(-1, merge_h * merge_w * hidden.shape[-1]))
         sizes = [(height // merge_h, width // merge_w) for height, width in sizes]
     return list(hidden.split([height * width for height, width in sizes]))
