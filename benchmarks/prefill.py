@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import AppConfig  # noqa: E402
 from app.engine.manager import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
+from benchmarks.decode_step import kernel_profile  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 
 
@@ -78,19 +79,9 @@ def main() -> None:
             print(json.dumps(wave), flush=True)
 
         profiles = []
-        for rows in sorted({min(args.rows), max(args.rows)}):
-            features = vision(rows)
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-            with torch.profiler.profile(activities=activities) as profile:
-                features = vision(rows)
-                text(rows, features)
-                synchronize()
-            kernels = sorted((e for e in profile.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
-                             key=lambda e: e.device_time_total, reverse=True)
-            profiles.append({"rows": rows, "gpu_busy_ms": round(sum(e.device_time_total for e in kernels) / 1000, 1),
-                             "kernel_launches": sum(e.count for e in kernels),
-                             "top": [{"kernel": e.key[:110], "calls": e.count, "ms": round(e.device_time_total / 1000, 2)}
-                                     for e in kernels[:args.kernels]]})
+        for rows in sorted({min(args.rows), max(args.rows)}) if cuda else ():
+            # One whole wave as the "step": its kernel launches and GPU busy time against the wave's time.
+            profiles.append({"rows": rows, **kernel_profile(lambda: text(rows, vision(rows)), 1, args.kernels)})
             print(json.dumps(profiles[-1], indent=1))
     results["profiles"] = profiles
     if args.json:
