@@ -52,8 +52,8 @@ class ProcessPreparer:
     """Worker processes, each loading the checkpoint's processor once, all started and ready on return.
 
     The pool would start a worker only when a request finds none idle, so some started during the
-    warm-up's last wave and were still importing torch (about 5 s of CPU each) as the first users came:
-    on a 16-core H200 box the workers used 2.3-3.9 cores while serving one user, against 0.15 later.
+    warm-up's last wave could still be importing torch (about 5 s of CPU each) as the first users came:
+    the likely cause of the workers' 2.3-3.9 cores while serving one user on a 16-core H200 box (0.15 later).
     """
 
     def __init__(self, processor_path: str, trust_remote_code: bool, workers: int, pixel_dtype=None):
