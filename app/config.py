@@ -30,6 +30,7 @@ class AppConfig:
     allow_model_switch: bool = False
     engine_process: bool = True  # the model runs in a process of its own (app.engine.engine_process)
     prepare_processes: int = -1  # app.engine.preparers.preparer_processes
+    web_processes: int = 1  # Gradio servers sharing the engine process, behind one address (app.web_processes)
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = "openbmb/MiniCPM-V-4.6"
@@ -73,6 +74,10 @@ _OPTIONS = [
     ("--prepare-processes", "prepare_processes", "MINICPMV_PREPARE_PROCESSES", int,
      "Worker processes that decode and slice images for the engine; -1: half the CPU cores (at most 8) "
      "with a CUDA GPU, 0 (threads of the engine's process) otherwise."),
+    ("--web-processes", "web_processes", "MINICPMV_WEB_PROCESSES", int,
+     "Web server processes sharing the model, behind one address; more serve more users at once when one "
+     "process's Python is the limit (a GPU box with hundreds of users: 4). Not with --share, --auth, "
+     "--allow-model-switch, --in-process-engine or --backend openai."),
     ("--max-batch-size", "max_batch_size", "MINICPMV_MAX_BATCH_SIZE", int,
      "Requests decoded together in one batch (each costs GPU memory for its state: about 19 MB plus 12 KB "
      "per token at the 4.6 shape)."),
@@ -123,4 +128,13 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--backend is 'transformers' or 'openai'")
     if args.auth is not None and (":" not in args.auth or not all(args.auth.partition(":")[::2])):
         parser.error("--auth takes USER:PASSWORD, both non-empty")
+    if args.web_processes < 1:
+        parser.error("--web-processes is 1 or more")
+    if args.web_processes > 1:
+        # Login tokens and the model's cached defaults live in each web process; a share link reaches one port.
+        clashes = [flag for flag, on in (("--share", args.share), ("--auth", args.auth), ("--allow-model-switch", args.allow_model_switch),
+                                         ("--in-process-engine", not args.engine_process),
+                                         ("--backend openai", args.backend == "openai")) if on]
+        if clashes:
+            parser.error(f"--web-processes above 1 does not go with {', '.join(clashes)}")
     return AppConfig(**vars(args))

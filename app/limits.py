@@ -65,6 +65,7 @@ RESERVED_COLUMNS = _limit("RESERVED_COLUMNS", 1024)
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
+ENGINE_CONNECT_TIMEOUT_S = 600  # a web process waits this long for the engine process to listen (a model loading)
 # A reply's text goes out at most this often (tokens in between are sent together): smooth to read,
 # and hundreds of streams do not flood the server with one event per token.
 STREAM_UPDATE_INTERVAL_S = _limit("STREAM_UPDATE_INTERVAL_S", 0.05)
@@ -109,6 +110,7 @@ MSG_COSTS_ON_SERVER = "Visual token costs are counted by the model server and ar
 SWITCH_WAIT_S = _limit("SWITCH_WAIT_S", 600.0)  # how long a request waits for a model being switched in
 MSG_SWITCHING = "The model is being switched and is not ready yet; try again in a minute."
 MSG_ENGINE_PROCESS_LOST = "The model's process stopped in the middle of this reply; it is being restarted. Try again in a minute."
+MSG_WEB_PROCESS_DOWN = "This part of the demo is restarting; reload the page in a few seconds."
 MSG_ENGINE_PROCESS_DOWN = "The model's process is not running and could not be restarted; see the server's log."
 MSG_SWITCH_FAILED = "Could not load “{model}” ({error}). Still serving “{current}”."
 MSG_SWITCH_OFF = "Switching models is off; start the app with --allow-model-switch to allow it."

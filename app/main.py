@@ -25,20 +25,11 @@ def load_manager(config: AppConfig) -> ModelManager:
     return manager
 
 
-def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool = False):
-    """Serve the UI; returns the Blocks (and keeps serving in the background) when prevent_thread_lock is set."""
-    # Gradio wraps every event step in a matplotlib backend switch when matplotlib is installed; left to
-    # pick its backend, matplotlib imports pyplot and builds its font cache there, in the server's event
-    # loop (seconds on a fresh machine: the first reply on an H200 box reached its client 13 s late).
-    os.environ.setdefault("MPLBACKEND", "agg")
-    import gradio as gr
+def use_upload_folder(config: AppConfig) -> str:
+    """The folder Gradio keeps uploads in (GRADIO_TEMP_DIR, set here if unset: web processes started
+    after this share it)."""
     from gradio.utils import get_upload_folder
 
-    from app.ui.layout import CSS_PATH, build_demo
-    from app.uploads import start_upload_cleaner
-
-    if config.share and not config.auth:
-        log.warning(limits.MSG_SHARE_WITHOUT_AUTH)
     if not os.environ.get("GRADIO_TEMP_DIR"):
         # A folder of our own, emptied at start: uploads of an earlier run belong to conversations that are gone.
         own_folder = os.path.join(tempfile.gettempdir(), f"minicpmv-demo-uploads-{config.port}")
@@ -46,13 +37,30 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
         os.environ["GRADIO_TEMP_DIR"] = own_folder
     upload_folder = get_upload_folder()
     os.makedirs(upload_folder, exist_ok=True)
+    return upload_folder
+
+
+def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool = False, quiet: bool = False):
+    """Serve the UI; returns the Blocks (and keeps serving in the background) when prevent_thread_lock is set."""
+    # Gradio wraps every event step in a matplotlib backend switch when matplotlib is installed; left to
+    # pick its backend, matplotlib imports pyplot and builds its font cache there, in the server's event
+    # loop (seconds on a fresh machine: the first reply on an H200 box reached its client 13 s late).
+    os.environ.setdefault("MPLBACKEND", "agg")
+    import gradio as gr
+
+    from app.ui.layout import CSS_PATH, build_demo
+    from app.uploads import start_upload_cleaner
+
+    if config.share and not config.auth:
+        log.warning(limits.MSG_SHARE_WITHOUT_AUTH)
+    upload_folder = use_upload_folder(config)
     demo = build_demo(manager)  # caches its example media in the upload folder, which the cleaner spares
     start_upload_cleaner(upload_folder)
     # The model manager keeps the real wait queue (bounded, first come first served, with positions);
     # Gradio's queue only has to let those requests through, and its bound is a backstop.
     demo.queue(max_size=2 * serving_slots(config) + 16, default_concurrency_limit=1)
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
-                prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(),
+                prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=quiet,
                 footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
                 max_threads=serving_slots(config) + 40,
                 # Part of the app from its first request (a route added after launch() returns, which
@@ -78,6 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = parse_config(argv)
     try:
+        if config.web_processes > 1:
+            from app.web_processes import serve_with_web_processes
+
+            serve_with_web_processes(config)
+            return
         manager = load_manager(config)
     except ModelUnavailable as error:
         print(f"error: {error}", file=sys.stderr)

@@ -8,7 +8,9 @@ flight; unfinished ones are reported, not hidden. Two modes:
                  processes of their own, so that they do not slow the server down, and connect before
                  the level's clock starts, as users whose page is open (connecting is timed apart).
 Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
-it in the benchmark's (or the app's) process instead, as before that split.
+it in the benchmark's (or the app's) process instead, as before that split. In app mode, --web-processes N
+serves the app as `python app.py --web-processes N` does: N web processes behind app.front's proxy, which
+then runs in this process.
 Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
 
     python benchmarks/concurrency.py --levels 1,10,50,100,200 --json results.json
@@ -127,7 +129,7 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
 
 
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
-              engine_pid: int | None = None) -> dict:
+              engine_pid: int | None = None, web_pids: tuple[int, ...] = ()) -> dict:
     """One level; in-process users call `make_requester`, or `app` = (url, image, settings) runs clients
     in up to CLIENT_PROCESSES processes. `metrics` (the engine's) says where the scheduler's time went
     and how much GPU memory the level took at most; the CPU each process used is measured too."""
@@ -150,7 +152,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         for process in processes:
             process.start()
         connect_s = max(ready.get(timeout=600) for _ in processes)
-        cpu = CpuUse(engine_pid or os.getpid(), clients=tuple(process.pid for process in processes))
+        cpu = CpuUse(engine_pid or os.getpid(), clients=tuple(process.pid for process in processes), web=web_pids)
         started = time.time()
         go.set()
         results, failures, unfinished = [], [], 0
@@ -214,6 +216,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--in-process-engine", action="store_true", help="the engine in this process (as before the split)")
+    parser.add_argument("--web-processes", type=int, default=1,
+                        help="app mode: web processes behind app.front in this process (python app.py --web-processes)")
     args = parser.parse_args()
 
     import torch
@@ -226,10 +230,18 @@ def main() -> None:
 
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     levels = [int(level) for level in args.levels.split(",")]
-    config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine)
-    manager = (EngineProcess if config.engine_process else ModelManager)(config)
-    manager.load()
-    manager.warm_up()
+    config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine,
+                       web_processes=args.web_processes)
+    if config.web_processes > 1:
+        from app.main import use_upload_folder
+        from app.web_processes import start_engine
+
+        use_upload_folder(config)
+        manager = start_engine(config)
+    else:
+        manager = (EngineProcess if config.engine_process else ModelManager)(config)
+        manager.load()
+        manager.warm_up()
 
     image_path, messages = benchmark_request()
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
@@ -238,8 +250,15 @@ def main() -> None:
     def make_requester():
         return lambda abort: engine_request(manager, messages, generation, abort)
 
-    app = None
-    if args.mode == "app":
+    app, web = None, None
+    if args.mode == "app" and config.web_processes > 1:
+        from app.web_processes import WebProcesses, start_front
+
+        web = WebProcesses(config, manager.listen, config.web_processes)
+        web.start()
+        start_front("127.0.0.1", config.port, web.urls)
+        app = (f"http://127.0.0.1:{config.port}", image_path, settings)
+    elif args.mode == "app":
         from app.main import launch
 
         app = (launch(config, manager, prevent_thread_lock=True).local_url, image_path, settings)
@@ -250,15 +269,19 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
         "engine": "process of its own" if config.engine_process else "in-process",
+        "web_processes": config.web_processes,
         "new_tokens": args.new_tokens, "duration_s": args.duration, "levels": [],
     }
     for users in levels:
-        level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None))
+        level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None),
+                          tuple(web.pids) if web else ())
         report["levels"].append(level)
         print(json.dumps(level), flush=True)
     if args.json:
         with open(args.json, "w") as file:
             json.dump(report, file, indent=2)
+    if web:
+        web.close()
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ def own_cpu_seconds() -> float:
 class CpuUse:
     """Cores used from its creation to `cores()`: this process, the engine process and its preparers."""
 
-    def __init__(self, engine_pid: int, clients: tuple[int, ...] = ()):
+    def __init__(self, engine_pid: int, clients: tuple[int, ...] = (), web: tuple[int, ...] = ()):
         self.engine_pid = engine_pid
+        self.web = web  # web processes (app.web_processes); this process is then the front
         # The engine's children are its preparers (with --in-process-engine, the clients' processes too).
         self.workers = [pid for pid in _children(engine_pid) if pid not in clients]
         self.started = time.time()
@@ -65,6 +66,7 @@ class CpuUse:
             "this_process": own_cpu_seconds(),
             "engine_process": _cpu_seconds(f"/proc/{self.engine_pid}/stat") if self.engine_pid != os.getpid() else 0.0,
             "preparers": sum(_cpu_seconds(f"/proc/{pid}/stat") for pid in self.workers),
+            **({"web_processes": sum(_cpu_seconds(f"/proc/{pid}/stat") for pid in self.web)} if self.web else {}),
             "threads": _own_threads(),
         }
 

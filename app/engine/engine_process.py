@@ -12,7 +12,12 @@ EngineProcess has the model manager's interface (app.engine.manager.ModelManager
 know which one it talks to. If the engine process dies (a crash in a GPU driver, say), replies in flight
 end with a clear message and a new engine process is started and warmed up.
 
-Messages, pickled over one duplex pipe:
+With several web processes (app.web_processes) the engine process also listens on a local socket and
+serves each web process over a connection of its own (EngineConnection) as it serves its parent over the
+pipe; a web process that goes away takes its requests out of the batch. The parent restarts the engine
+process when it dies, and the web processes connect to the new one.
+
+Messages, pickled over the pipe or a connection:
   web -> engine   ("stream", id, messages, settings, requested_at)   start a reply
                   ("done", id, outcome)                              the web side is done with it
                   ("call", id, method, args)                         anything else (info, switch, metrics...)
@@ -23,10 +28,12 @@ Messages, pickled over one duplex pipe:
 """
 
 import atexit
+import os
 import functools
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import queue
 import signal
 import threading
@@ -43,8 +50,11 @@ from app.errors import UserError
 log = logging.getLogger(__name__)
 
 
-class EngineProcess:
-    """The web side: the model manager's interface, served by the engine process."""
+class EngineClient:
+    """The web side: the model manager's interface, answered by an engine process over one connection.
+
+    EngineProcess starts the engine process it talks to; EngineConnection connects to one that another
+    process started. Each does its own thing when the connection is lost (`_connection_lost`)."""
 
     def __init__(self, config: AppConfig):
         self.config = config
@@ -53,65 +63,28 @@ class EngineProcess:
         self._streams: dict[int, queue.SimpleQueue] = {}  # id -> the reply's events
         self._calls: dict[int, queue.SimpleQueue] = {}  # id -> where the result goes
         self._send_lock = threading.Lock()
-        self._ready = threading.Event()  # an engine process is up and serving
-        self._process = None
+        self._ready = threading.Event()  # connected to an engine process that serves
         self._connection = None
         self._closing = False
         self._default_settings = None  # cached per loaded model (see default_settings)
-
-    # Life of the engine process --------------------------------------------------------------------
 
     @property
     def loaded(self) -> bool:
         return self._ready.is_set()
 
-    @property
-    def pid(self) -> int | None:
-        """The engine process's id (tools that watch its CPU use); None before load()."""
-        return self._process.pid if self._process is not None else None
-
-    def load(self) -> None:
-        """Start the engine process and wait until it has loaded the model (errors of the load are raised here)."""
-        context = multiprocessing.get_context("spawn")  # a fork would copy the web server's threads and locks
-        ours, theirs = context.Pipe()
-        # Not a daemon: it starts processes of its own (app.engine.preparers); close() ends it at exit.
-        process = context.Process(target=serve, args=(self.config, theirs), name="minicpmv-engine")
-        process.start()
-        theirs.close()
-        try:
-            _, error = ours.recv()  # ("ready", error), after the model has loaded
-        except EOFError:
-            process.join()
-            raise RuntimeError(f"The engine process stopped while loading the model (exit code {process.exitcode})") from None
-        if error is not None:
-            process.join()
-            raise error
-        if self._process is None:
-            atexit.register(self.close)  # before multiprocessing stops the process, so that it is not restarted
-        self._process, self._connection = process, ours
-        self._default_settings = None
-        threading.Thread(target=self._read, args=(process, ours), name="engine-reader", daemon=True).start()
-        self._ready.set()
-        self._tokenizer_for(self.info().path)  # loaded now rather than in the first reply
-        log.info("Engine process %d serves %s", process.pid, self.config.model)
-
     def warm_up(self) -> float:
         return self._call("warm_up")
 
-    def close(self) -> None:
-        """Stop the engine process; also run at exit."""
-        if self._closing or self._connection is None:
-            return
-        try:
-            self._send(("stop", None), wait=False)
-        except UserError:  # already gone
-            pass
-        self._closing = True
-        self._ready.clear()
-        self._process.join(30)
+    def _serve_over(self, connection) -> None:
+        """Talk to the engine process over `connection` from now on (a thread of its own reads it)."""
+        self._connection = connection
+        self._default_settings = None
+        threading.Thread(target=self._read, args=(connection,), name="engine-reader", daemon=True).start()
+        self._ready.set()
+        self._tokenizer_for(self.info().path)  # loaded now rather than in the first reply
 
-    def _read(self, process, connection) -> None:
-        """Hand every message of the engine process to its reply or call, until the process ends."""
+    def _read(self, connection) -> None:
+        """Hand every message of the engine process to its reply or call, until the connection ends."""
         try:
             while True:
                 for message in connection.recv():
@@ -123,22 +96,19 @@ class EngineProcess:
         if self._closing:
             return
         self._ready.clear()
-        process.join(5)
-        log.error("The engine process stopped (exit code %s); starting a new one", process.exitcode)
         lost = UserError(limits.MSG_ENGINE_PROCESS_LOST)
         for events in list(self._streams.values()):
             events.put(("error", lost))
         for results in list(self._calls.values()):
             results.put((lost, None))
-        try:
-            self.load()
-            if self.config.warmup:
-                self.warm_up()
-        except Exception as error:
-            log.error("The engine process could not be started again; requests are refused", exc_info=error)
+        self._connection_lost()
+
+    def _connection_lost(self) -> None:
+        """Runs on the reader's thread once the replies and calls in flight have been told."""
+        raise NotImplementedError
 
     def _send(self, message, wait: bool = True) -> None:
-        """Send `message`; while a new engine process starts, wait for it (or, not `wait`, drop the message)."""
+        """Send `message`; while the engine process (re)starts, wait for it (or, not `wait`, drop the message)."""
         if not self._ready.wait(limits.SWITCH_WAIT_S if wait else 0):
             if not wait:
                 return
@@ -146,7 +116,7 @@ class EngineProcess:
         try:
             with self._send_lock:
                 self._connection.send(message)
-        except (OSError, ValueError) as error:  # the process has just died: its reader starts a new one
+        except (OSError, ValueError) as error:  # the process has just died: the reader deals with it
             raise UserError(limits.MSG_ENGINE_PROCESS_LOST) from error
 
     def _call(self, method: str, *args):
@@ -216,6 +186,102 @@ class EngineProcess:
         return _tokenizer(model_path, self.config.trust_remote_code)
 
 
+class EngineProcess(EngineClient):
+    """Starts the engine process and talks to it over a pipe; starts a new one if it dies.
+
+    `listen` = (socket path, key): the engine process also serves web processes that connect there
+    (EngineConnection), which is how several web processes share it (app.web_processes)."""
+
+    def __init__(self, config: AppConfig, listen: tuple[str, bytes] | None = None):
+        super().__init__(config)
+        self.listen = listen
+        self._process = None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (tools that watch its CPU use); None before load()."""
+        return self._process.pid if self._process is not None else None
+
+    def load(self) -> None:
+        """Start the engine process and wait until it has loaded the model (errors of the load are raised here)."""
+        context = multiprocessing.get_context("spawn")  # a fork would copy the web server's threads and locks
+        ours, theirs = context.Pipe()
+        # Not a daemon: it starts processes of its own (app.engine.preparers); close() ends it at exit.
+        process = context.Process(target=serve, args=(self.config, theirs, self.listen), name="minicpmv-engine")
+        process.start()
+        theirs.close()
+        try:
+            _, error = ours.recv()  # ("ready", error), after the model has loaded
+        except EOFError:
+            process.join()
+            raise RuntimeError(f"The engine process stopped while loading the model (exit code {process.exitcode})") from None
+        if error is not None:
+            process.join()
+            raise error
+        if self._process is None:
+            atexit.register(self.close)  # before multiprocessing stops the process, so that it is not restarted
+        self._process = process
+        self._serve_over(ours)
+        log.info("Engine process %d serves %s", process.pid, self.config.model)
+
+    def close(self) -> None:
+        """Stop the engine process; also run at exit."""
+        if self._closing or self._connection is None:
+            return
+        try:
+            self._send(("stop", None), wait=False)
+        except UserError:  # already gone
+            pass
+        self._closing = True
+        self._ready.clear()
+        self._process.join(30)
+
+    def _connection_lost(self) -> None:
+        self._process.join(5)
+        log.error("The engine process stopped (exit code %s); starting a new one", self._process.exitcode)
+        try:
+            self.load()
+            if self.config.warmup:
+                self.warm_up()
+        except Exception as error:
+            log.error("The engine process could not be started again; requests are refused", exc_info=error)
+
+
+class EngineConnection(EngineClient):
+    """A web process's connection to an engine process that another process started and keeps running
+    (EngineProcess with `listen`). When the connection is lost it connects again, to the new engine process."""
+
+    def __init__(self, config: AppConfig, address: str, key: bytes):
+        super().__init__(config)
+        self.address, self.key = address, key
+
+    def load(self) -> None:
+        """Connect; waits up to limits.ENGINE_CONNECT_TIMEOUT_S for the engine process to listen."""
+        deadline = time.monotonic() + limits.ENGINE_CONNECT_TIMEOUT_S
+        while True:
+            try:
+                connection = multiprocessing.connection.Client(self.address, authkey=self.key)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"No engine process listens at {self.address}") from None
+                time.sleep(0.2)
+        self._serve_over(connection)
+
+    def close(self) -> None:
+        self._closing = True
+        self._ready.clear()
+        if self._connection is not None:
+            self._connection.close()
+
+    def _connection_lost(self) -> None:
+        log.error("Lost the engine process; connecting to its successor")
+        try:
+            self.load()
+        except Exception as error:
+            log.error("No engine process to connect to; requests are refused", exc_info=error)
+
+
 def _plain(value):
     """Messages in built-in types only: Gradio hands file paths as its own str subclass, and unpickling
     one would import Gradio into the engine process (seconds, on its first request)."""
@@ -254,9 +320,10 @@ class _RemoteMetrics:
 
 # The engine side ---------------------------------------------------------------------------------------
 
-def serve(config: AppConfig, connection) -> None:
-    """The engine process's main: load the model, then serve the web process until it goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the web process stops us
+def serve(config: AppConfig, connection, listen: tuple[str, bytes] | None = None) -> None:
+    """The engine process's main: load the model, then serve its parent (and, with `listen`, the web
+    processes that connect) until the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the parent stops us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     manager = ModelManager(config)
     try:
@@ -266,9 +333,27 @@ def serve(config: AppConfig, connection) -> None:
             log.error("Loading the model failed", exc_info=error)
         connection.send(("ready", _wire_error(error)))
         return
+    if listen is not None:
+        address, key = listen
+        if os.path.exists(address):  # the socket of the engine process this one replaces
+            os.unlink(address)
+        listener = multiprocessing.connection.Listener(address, family="AF_UNIX", authkey=key)
+        threading.Thread(target=_accept, args=(manager, listener), name="engine-listener", daemon=True).start()
     connection.send(("ready", None))
     _EngineSide(manager, connection).run()
     manager.preparer.close()  # its worker processes first: this process's exit waits for them
+
+
+def _accept(manager, listener) -> None:
+    """Serve each web process that connects, on threads of its own."""
+    while True:
+        try:
+            connection = listener.accept()
+        except (OSError, EOFError, multiprocessing.AuthenticationError) as error:  # a stranger, or one that left
+            log.warning("Refused a connection: %s", error)
+            continue
+        side = _EngineSide(manager, connection)
+        threading.Thread(target=side.run, kwargs={"cancel_when_gone": True}, name="engine-connection", daemon=True).start()
 
 
 class _EngineSide:
@@ -281,16 +366,18 @@ class _EngineSide:
         self.preparing = ThreadPoolExecutor(32, thread_name_prefix="prepare")
         self.calls = ThreadPoolExecutor(4, thread_name_prefix="call")
 
-    def run(self) -> None:
+    def run(self, cancel_when_gone: bool = False) -> None:
+        """Serve the connection until it ends; `cancel_when_gone`: its requests then leave the batch (a web
+        process that went away; when the parent goes, the whole process ends)."""
         threading.Thread(target=self._send_batches, name="engine-sender", daemon=True).start()
         while True:
             try:
                 message = self.connection.recv()
             except (EOFError, OSError):
-                return
+                break
             kind, message_id, *rest = message
             if kind == "stop":
-                return
+                break
             if kind == "stream":
                 self.requests[message_id] = cancelled = threading.Event()
                 self.preparing.submit(self._start, message_id, cancelled, *rest)
@@ -300,6 +387,12 @@ class _EngineSide:
                     self.manager.end_request(cancelled, rest[0])
             elif kind == "call":
                 self.calls.submit(self._answer, message_id, *rest)
+        if cancel_when_gone:
+            for cancelled in list(self.requests.values()):
+                self.manager.end_request(cancelled, "stopped")
+            self.outbox.put(None)  # ends the sender
+            self.preparing.shutdown(wait=False)
+            self.calls.shutdown(wait=False)
 
     def _start(self, request_id: int, cancelled: threading.Event, messages, settings, requested_at: float) -> None:
         def emit(kind: str, value) -> None:
@@ -324,12 +417,17 @@ class _EngineSide:
             self.outbox.put(("result", call_id, _wire_error(error), None))
 
     def _send_batches(self) -> None:
-        """One pipe write for every message ready: hundreds of replies stream at once."""
+        """One write for every message ready: hundreds of replies stream at once."""
         while True:
             batch = [self.outbox.get()]
             while not self.outbox.empty():
                 batch.append(self.outbox.get())
-            self.connection.send(batch)
+            if None in batch:
+                return
+            try:
+                self.connection.send(batch)
+            except (OSError, ValueError):  # gone: run() ends too
+                return
 
 
 def _wire_error(error: BaseException) -> Exception:

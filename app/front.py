@@ -1,0 +1,167 @@
+"""The public address in front of several web processes (app.web_processes): an HTTP proxy that keeps
+each Gradio session on one web process.
+
+A Gradio session lives in the process that serves it: its state, its queue of events, the stream of its
+events' messages and its heartbeat. Every request of a session names it (a `session_hash` in the query
+or the JSON body, or in the path of the heartbeat), and so does an upload's progress (`upload_id`); the
+proxy sends requests that name the same key to the same process (by a hash of the key). Event ids that
+a process hands out (joining the queue, the REST API's /call) are remembered, so that the requests that
+follow one up find their process too. Everything else (the page, its assets, uploads, files, /metrics)
+goes to the processes in turn: they share the upload folder and one engine process.
+"""
+
+import itertools
+import json
+import logging
+import re
+import zlib
+from collections import OrderedDict
+
+import httpx
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+
+from app import limits
+
+log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+
+# Headers of one connection, not of the request: not passed on (RFC 9110, 7.6.1).
+_HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+               b"transfer-encoding", b"upgrade"}
+_KEYS_IN_QUERY = ("session_hash", "upload_id")
+_KEY_IN_BODY = ("/queue/join", "/cancel", "/component_server", "/component_server/")  # POSTs whose JSON names the session
+_HANDS_OUT_EVENT_IDS = re.compile(r"/(queue/join|call/.+)$")
+_REMEMBERED_EVENTS = 100_000
+
+
+def routing_key(path: str, query: dict, body: bytes | None) -> str | None:
+    """The session (or upload, or event) a request belongs to; None if it belongs to none."""
+    for name in _KEYS_IN_QUERY:
+        if query.get(name):
+            return query[name]
+    parts = path.strip("/").split("/")
+    for marker in ("heartbeat", "stream"):  # heartbeat/{session}, stream/{session or event}/...
+        if marker in parts[:-1]:
+            return parts[parts.index(marker) + 1]
+    if "call" in parts:  # call/{api}/{event} and call/v2/{api}/{event}
+        rest = parts[parts.index("call") + 1:]
+        rest = rest[1:] if rest[:1] == ["v2"] else rest
+        if len(rest) == 2:
+            return rest[1]
+    if body:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if isinstance(value, dict) and isinstance(value.get("session_hash"), str):
+            return value["session_hash"]
+    return None
+
+
+class SessionRouter:
+    """Which web process serves a request: the same one for every request of a session."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._turns = itertools.count()
+        self._events: OrderedDict[str, int] = OrderedDict()  # event id -> process, newest last
+
+    def pick(self, key: str | None) -> int:
+        if key is None:
+            return next(self._turns) % self.count
+        known = self._events.get(key)
+        return known if known is not None else zlib.crc32(key.encode()) % self.count
+
+    def remember(self, event_id: str, index: int) -> None:
+        self._events[event_id] = index
+        if len(self._events) > _REMEMBERED_EVENTS:
+            self._events.popitem(last=False)
+
+
+class Front:
+    """The proxy, an ASGI app: `backends` are the web processes' base URLs."""
+
+    def __init__(self, backends: list[str]):
+        self.backends = backends
+        self.router = SessionRouter(len(backends))
+        self._clients = None  # made in the server's event loop, on the first request
+        self.closing = False  # set when the processes are being stopped: their streams end then
+
+    def _client(self, index: int) -> httpx.AsyncClient:
+        if self._clients is None:
+            self._clients = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10),
+                                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                             for url in self.backends]
+        return self._clients[index]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # Gradio's pages use HTTP only (server-sent events, no websockets)
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1003})
+            return
+        request = Request(scope, receive)
+        body = await request.body() if request.method == "POST" and scope["path"].endswith(_KEY_IN_BODY) else None
+        key = routing_key(scope["path"], request.query_params, body)
+        index = self.router.pick(key)
+        client_host = scope["client"][0] if scope.get("client") else ""
+        headers = [(name, value) for name, value in scope["headers"]
+                   if name not in _HOP_BY_HOP and not name.startswith(b"x-forwarded-")]
+        headers += [(b"x-forwarded-for", client_host.encode()), (b"x-forwarded-proto", scope["scheme"].encode())]
+        target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        if scope["query_string"]:
+            target += "?" + scope["query_string"].decode("latin-1")
+        # A request of no session may go to any process: past one that is down (restarting), to the next.
+        candidates = [index] if key is not None else [(index + step) % len(self.backends) for step in range(len(self.backends))]
+        incoming = failure = None
+        for index in candidates:
+            client = self._client(index)
+            outgoing = client.build_request(request.method, target, headers=headers,
+                                            content=body if body is not None else request.stream())
+            try:
+                incoming = await client.send(outgoing, stream=True)
+                break
+            except httpx.HTTPError as error:
+                failure = error
+                # Nothing was sent, or nothing that cannot be sent again: the next process may take it.
+                if not isinstance(error, httpx.ConnectError) and request.method not in ("GET", "HEAD"):
+                    break
+        if incoming is None:
+            log.warning("Web process %d did not answer %s %s: %s", index, request.method, scope["path"], failure)
+            await PlainTextResponse(limits.MSG_WEB_PROCESS_DOWN, status_code=502)(scope, receive, send)
+            return
+        response_headers = [(name, value) for name, value in incoming.headers.raw if name.lower() not in _HOP_BY_HOP]
+        if request.method == "POST" and incoming.status_code == 200 and _HANDS_OUT_EVENT_IDS.search(scope["path"]):
+            content = b"".join([chunk async for chunk in incoming.aiter_raw()])
+            await incoming.aclose()
+            self._remember_event(content, incoming.headers.get("content-encoding"), index)
+            response = Response(content, status_code=incoming.status_code)
+            response_headers = [(name, value) for name, value in response_headers if name.lower() != b"content-length"]
+            response_headers.append((b"content-length", str(len(content)).encode()))
+        else:
+            # Streamed as it comes (server-sent events); when the client goes, the stream to the process is closed.
+            response = StreamingResponse(self._relay(incoming, index), status_code=incoming.status_code,
+                                         background=BackgroundTask(incoming.aclose))
+        response.raw_headers = response_headers
+        await response(scope, receive, send)
+
+    async def _relay(self, incoming: httpx.Response, index: int):
+        """The body of a web process's response as it comes; cut short, quietly, if the process goes away."""
+        try:
+            async for chunk in incoming.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as error:
+            if not self.closing:
+                log.warning("Web process %d broke off a response: %s", index, error)
+
+    def _remember_event(self, content: bytes, encoding: str | None, index: int) -> None:
+        if encoding:  # compressed: Gradio compresses only large responses, and event ids are small
+            return
+        try:
+            event_id = json.loads(content).get("event_id")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(event_id, str):
+            self.router.remember(event_id, index)
+

@@ -1,0 +1,174 @@
+"""Several web processes sharing one engine process, behind one address (--web-processes N).
+
+Why: one web process's Python is the limit of the app path under load. On an H200 at 200 users the one
+web process ran at 0.8 of a core (Gradio's uploads, queue and server-sent events, and the text of 200
+streaming replies) while the GPU was busy 66% of the time, and the app delivered 2,635 tokens/s where the
+engine called from a script delivered 4,066 (benchmarks/RESULTS.md). Gradio serves a session from one
+process, so the processes cannot simply share a port: app.front sends each session to its own process.
+
+Layout, all started here: the engine process (app.engine.engine_process, listening on a local socket),
+then N web processes one after another (each the whole Gradio app on a local port, with its own
+connection to the engine process), then this process serves the public address through app.front.Front
+until it is stopped (Ctrl+C, SIGTERM). A web process that dies is started again; the engine process is
+restarted by its EngineProcess, as with one web process, and the web processes connect to the new one.
+"""
+
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import replace
+
+from app.config import AppConfig
+from app.engine.engine_process import EngineConnection, EngineProcess
+
+log = logging.getLogger(__name__)
+
+WEB_PROCESS_START_TIMEOUT_S = 300  # import Gradio, build the UI, listen
+
+
+def start_engine(config: AppConfig) -> EngineProcess:
+    """The engine process, listening for web processes on a socket of its own; loaded and warmed up."""
+    address = os.path.join(tempfile.mkdtemp(prefix="minicpmv-engine-"), "engine.sock")
+    engine = EngineProcess(config, listen=(address, os.urandom(32)))
+    engine.load()
+    if config.warmup:
+        engine.warm_up()
+        engine.metrics.reset()  # the panel and /metrics count users' requests, not the warm-up's
+    return engine
+
+
+class WebProcesses:
+    """`count` web processes on local ports, each serving the whole app over its own engine connection."""
+
+    def __init__(self, config: AppConfig, engine_listen: tuple[str, bytes], count: int):
+        self.config, self.engine_listen = config, engine_listen
+        self.ports = [_free_port() for _ in range(count)]
+        self._processes: list = [None] * count
+        self._context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads
+        self._ready = self._context.Queue()
+        self._closing = threading.Event()
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes if process is not None]
+
+    def start(self) -> None:
+        # One after another: the first caches the example media in the shared upload folder, the others find them.
+        for index in range(len(self.ports)):
+            self._start(index)
+        threading.Thread(target=self._watch, name="web-process-watch", daemon=True).start()
+
+    def _start(self, index: int) -> None:
+        config = replace(self.config, host="127.0.0.1", port=self.ports[index])
+        process = self._context.Process(target=_serve_web, args=(config, index, self.engine_listen, self._ready),
+                                        name=f"minicpmv-web-{index}")
+        process.start()
+        self._processes[index] = process
+        deadline = time.monotonic() + WEB_PROCESS_START_TIMEOUT_S
+        while True:
+            try:
+                if self._ready.get(timeout=1) == index:
+                    log.info("Web process %d (pid %d) serves on port %d", index, process.pid, self.ports[index])
+                    return
+            except queue.Empty:
+                if not process.is_alive() or time.monotonic() > deadline:
+                    process.kill()
+                    raise RuntimeError(f"Web process {index} did not start (exit code {process.exitcode}); see the log above")
+
+    def _watch(self) -> None:
+        while not self._closing.wait(1):
+            for index, process in enumerate(self._processes):
+                if process.is_alive() or self._closing.is_set():
+                    continue
+                log.error("Web process %d stopped (exit code %s); starting a new one", index, process.exitcode)
+                try:
+                    self._start(index)
+                except RuntimeError as error:
+                    log.error("%s", error)
+
+    def close(self) -> None:
+        self._closing.set()
+        for process in self._processes:
+            if process is not None and process.is_alive():
+                process.terminate()
+        for process in self._processes:
+            if process is not None:
+                process.join(10)
+
+
+def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], ready) -> None:
+    """A web process's main: connect to the engine process, then serve the app on config's local port."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the front stops us
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [web {index}]: %(message)s")
+    from app.main import launch
+
+    manager = EngineConnection(config, *engine_listen)
+    manager.load()
+    demo = launch(config, manager, prevent_thread_lock=True, quiet=True)
+    ready.put(index)
+    demo.block_thread()
+
+
+def start_front(host: str, port: int, backends: list[str]):
+    """Serve the public address (uvicorn, on a thread of its own) until the returned server's should_exit is set."""
+    import uvicorn
+
+    from app.front import Front
+
+    front = Front(backends)
+    server = uvicorn.Server(uvicorn.Config(front, host=host, port=port, lifespan="off", ws="none",
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="front", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"Could not serve on {host}:{port}; see the log above")
+        time.sleep(0.05)
+    server.thread, server.front = thread, front
+    return server
+
+
+def serve_with_web_processes(config: AppConfig) -> None:
+    """Start everything, serve until Ctrl+C or SIGTERM, then stop every process."""
+    from app.main import use_upload_folder
+
+    use_upload_folder(config)  # before the web processes start: they share it
+    engine = start_engine(config)
+    web = WebProcesses(config, engine.listen, config.web_processes)
+    server = None
+    try:
+        web.start()
+        server = start_front(config.host, config.port, web.urls)
+        stop = threading.Event()
+        # Not uvicorn's handlers: once stopped, it raises the signal again, which would end this process
+        # before it has stopped the others.
+        for signal_number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signal_number, lambda *_: stop.set())
+        print(f"* Running on http://{config.host}:{config.port} ({config.web_processes} web processes, one engine process)",
+              flush=True)
+        while not stop.wait(0.5) and server.thread.is_alive():
+            pass
+    finally:
+        if server is not None:
+            server.front.closing = True
+        web.close()  # first: the streams the front relays (heartbeats, replies) end, and it can stop at once
+        if server is not None:
+            server.should_exit = True
+            server.thread.join(15)
+        engine.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
