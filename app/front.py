@@ -91,8 +91,10 @@ class Front:
 
     def _client(self, index: int) -> httpx.AsyncClient:
         if self._clients is None:
-            self._clients = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10),
-                                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            # Idle connections are dropped here before a web process drops them (uvicorn: after 5 s), so that
+            # a request is not sent down one that the process is closing at that moment.
+            pool = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2)
+            self._clients = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10), limits=pool)
                              for url in self.backends]
         return self._clients[index]
 
@@ -112,10 +114,15 @@ class Front:
         target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         if scope["query_string"]:
             target += "?" + scope["query_string"].decode("latin-1")
-        # A request of no session may go to any process: past one that is down (restarting), to the next.
-        candidates = [index] if key is not None else [(index + step) % len(self.backends) for step in range(len(self.backends))]
+        # A request that can be sent again (no body, or one read here) is tried twice on its process: a kept-alive
+        # connection that the process has just closed fails the first time. One of no session may then go to
+        # the next process (past one that is restarting).
+        resendable = body is not None or request.method in ("GET", "HEAD")
+        attempts = [index] * (2 if resendable else 1)
+        if key is None:
+            attempts += [(index + step) % len(self.backends) for step in range(1, len(self.backends))]
         incoming = failure = None
-        for index in candidates:
+        for index in attempts:
             client = self._client(index)
             outgoing = client.build_request(request.method, target, headers=headers,
                                             content=body if body is not None else request.stream())
@@ -124,11 +131,10 @@ class Front:
                 break
             except httpx.HTTPError as error:
                 failure = error
-                # Nothing was sent, or nothing that cannot be sent again: the next process may take it.
-                if not isinstance(error, httpx.ConnectError) and request.method not in ("GET", "HEAD"):
+                if not (resendable or isinstance(error, httpx.ConnectError)):  # part of the body may be gone
                     break
         if incoming is None:
-            log.warning("Web process %d did not answer %s %s: %s", index, request.method, scope["path"], failure)
+            log.warning("Web process %d did not answer %s %s: %r", index, request.method, scope["path"], failure)
             await PlainTextResponse(limits.MSG_WEB_PROCESS_DOWN, status_code=502)(scope, receive, send)
             return
         response_headers = [(name, value) for name, value in incoming.headers.raw if name.lower() not in _HOP_BY_HOP]

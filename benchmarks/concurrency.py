@@ -129,9 +129,9 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
 
 
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
-              engine_pid: int | None = None, web_pids: tuple[int, ...] = ()) -> dict:
+              engine_pid: int | None = None, web_pids: tuple[int, ...] = (), client_processes: int = CLIENT_PROCESSES) -> dict:
     """One level; in-process users call `make_requester`, or `app` = (url, image, settings) runs clients
-    in up to CLIENT_PROCESSES processes. `metrics` (the engine's) says where the scheduler's time went
+    in up to `client_processes` processes. `metrics` (the engine's) says where the scheduler's time went
     and how much GPU memory the level took at most; the CPU each process used is measured too."""
     import multiprocessing
 
@@ -145,7 +145,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         context = multiprocessing.get_context("spawn")
         ready, go, out = context.Queue(), context.Event(), context.Queue()
         url, image_path, settings = app
-        shares = [users // CLIENT_PROCESSES + (i < users % CLIENT_PROCESSES) for i in range(CLIENT_PROCESSES)]
+        shares = [users // client_processes + (i < users % client_processes) for i in range(client_processes)]
         processes = [context.Process(target=_app_client_process,
                                      args=(url, share, duration, grace, image_path, settings, ready, go, out))
                      for share in shares if share]
@@ -216,6 +216,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--in-process-engine", action="store_true", help="the engine in this process (as before the split)")
+    parser.add_argument("--client-processes", type=int, default=CLIENT_PROCESSES, help="app mode: processes the users' clients run in")
     parser.add_argument("--web-processes", type=int, default=1,
                         help="app mode: web processes behind app.front in this process (python app.py --web-processes)")
     args = parser.parse_args()
@@ -274,7 +275,7 @@ def main() -> None:
     }
     for users in levels:
         level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None),
-                          tuple(web.pids) if web else ())
+                          tuple(web.pids) if web else (), args.client_processes)
         report["levels"].append(level)
         print(json.dumps(level), flush=True)
     if args.json:
