@@ -257,6 +257,7 @@ def main() -> None:
 
         web = WebProcesses(config, manager.listen, config.web_processes)
         web.start()
+        print(f"web processes: {' '.join(map(str, web.pids))}", flush=True)
         start_front("127.0.0.1", config.port, web.urls)
         app = (f"http://127.0.0.1:{config.port}", image_path, settings)
     elif args.mode == "app":
