@@ -20,6 +20,7 @@ Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend
 import argparse
 import json
 import os
+import ssl
 import sys
 import threading
 import time
@@ -113,8 +114,12 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
     # A client's first contact fetches the app's config and API description, and its first request
     # builds a session in the server: heavy work for the web process that a user with the page open
     # has behind them. Done here, 200 clients connecting at once took seconds of a level's window.
+    # gradio_client makes a new httpx client for each upload and each request, and with it a TLS context
+    # that loads the CA certificates (even for http URLs): at 200 users 30% of a client process's CPU
+    # (py-spy). One context per process, made here, is what a browser's TLS setup amounts to.
+    tls = ssl.create_default_context()
     connecting = time.time()
-    clients = [Client(url, verbose=False) for _ in range(users)]
+    clients = [Client(url, verbose=False, ssl_verify=tls) for _ in range(users)]
     connect_s = time.time() - connecting
 
     def make_requester():
