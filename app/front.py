@@ -106,35 +106,8 @@ class Front:
         request = Request(scope, receive)
         body = await request.body() if request.method == "POST" and scope["path"].endswith(_KEY_IN_BODY) else None
         key = routing_key(scope["path"], request.query_params, body)
-        index = self.router.pick(key)
-        client_host = scope["client"][0] if scope.get("client") else ""
-        headers = [(name, value) for name, value in scope["headers"]
-                   if name not in _HOP_BY_HOP and not name.startswith(b"x-forwarded-")]
-        headers += [(b"x-forwarded-for", client_host.encode()), (b"x-forwarded-proto", scope["scheme"].encode())]
-        target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        if scope["query_string"]:
-            target += "?" + scope["query_string"].decode("latin-1")
-        # A request that can be sent again (no body, or one read here) is tried twice on its process: a kept-alive
-        # connection that the process has just closed fails the first time. One of no session may then go to
-        # the next process (past one that is restarting).
-        resendable = body is not None or request.method in ("GET", "HEAD")
-        attempts = [index] * (2 if resendable else 1)
-        if key is None:
-            attempts += [(index + step) % len(self.backends) for step in range(1, len(self.backends))]
-        incoming = failure = None
-        for index in attempts:
-            client = self._client(index)
-            outgoing = client.build_request(request.method, target, headers=headers,
-                                            content=body if body is not None else request.stream())
-            try:
-                incoming = await client.send(outgoing, stream=True)
-                break
-            except httpx.HTTPError as error:
-                failure = error
-                if not (resendable or isinstance(error, httpx.ConnectError)):  # part of the body may be gone
-                    break
+        incoming, index = await self._send_on(request, body, key)
         if incoming is None:
-            log.warning("Web process %d did not answer %s %s: %r", index, request.method, scope["path"], failure)
             await PlainTextResponse(limits.MSG_WEB_PROCESS_DOWN, status_code=502)(scope, receive, send)
             return
         response_headers = [(name, value) for name, value in incoming.headers.raw if name.lower() not in _HOP_BY_HOP]
@@ -151,6 +124,39 @@ class Front:
                                          background=BackgroundTask(incoming.aclose))
         response.raw_headers = response_headers
         await response(scope, receive, send)
+
+    async def _send_on(self, request: Request, body: bytes | None, key: str | None) -> tuple[httpx.Response | None, int]:
+        """Send the request to its web process; (its response, streaming, or None if none answered; the process)."""
+        scope = request.scope
+        names = {name for name, _ in scope["headers"]}
+        streamed_body = body is None and (b"content-length" in names or b"transfer-encoding" in names)
+        headers = [(name, value) for name, value in scope["headers"]
+                   if name not in _HOP_BY_HOP and not name.startswith(b"x-forwarded-")]
+        headers += [(b"x-forwarded-for", (scope["client"][0] if scope.get("client") else "").encode()),
+                    (b"x-forwarded-proto", scope["scheme"].encode())]
+        target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        if scope["query_string"]:
+            target += "?" + scope["query_string"].decode("latin-1")
+        # A request that can be sent again (no body, or one read here) is tried twice on its process: a kept-alive
+        # connection that the process has just closed fails the first time. One of no session may then go to
+        # the next process (past one that is restarting).
+        index = self.router.pick(key)
+        attempts = [index] * (1 if streamed_body else 2)
+        if key is None:
+            attempts += [(index + step) % len(self.backends) for step in range(1, len(self.backends))]
+        failure = None
+        for index in attempts:
+            client = self._client(index)
+            outgoing = client.build_request(request.method, target, headers=headers,
+                                            content=request.stream() if streamed_body else body)
+            try:
+                return await client.send(outgoing, stream=True), index
+            except httpx.HTTPError as error:
+                failure = error
+                if streamed_body and not isinstance(error, httpx.ConnectError):  # part of the body may be gone
+                    break
+        log.warning("Web process %d did not answer %s %s: %r", index, request.method, scope["path"], failure)
+        return None, index
 
     async def _relay(self, incoming: httpx.Response, index: int):
         """The body of a web process's response as it comes; cut short, quietly, if the process goes away."""

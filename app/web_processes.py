@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import signal
 import socket
 import tempfile
@@ -166,6 +167,7 @@ def serve_with_web_processes(config: AppConfig) -> None:
             server.should_exit = True
             server.thread.join(15)
         engine.close()
+        shutil.rmtree(os.path.dirname(engine.listen[0]), ignore_errors=True)  # the engine's socket
 
 
 def _free_port() -> int:
