@@ -53,13 +53,12 @@ def chat_text(page) -> str:
     return page.locator("#chat").inner_text()
 
 
-def test_chat_with_an_image_streams_a_reply(page, red_image):
-    os.makedirs(ARTIFACTS, exist_ok=True)
-    page.locator("#chat-input input[type=file]").set_input_files(red_image)
+def ask_about_an_image(page, image: str) -> list[int]:
+    """Attach `image`, ask about it, and follow the reply until its stats line: the chat's lengths seen."""
+    page.locator("#chat-input input[type=file]").set_input_files(image)
     page.locator("#chat-input textarea").fill("What is in this picture?")
     page.wait_for_timeout(500)  # the upload finishes before sending
     page.locator("#chat-input textarea").press("Enter")
-
     lengths = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -67,6 +66,12 @@ def test_chat_with_an_image_streams_a_reply(page, red_image):
         if page.get_by_text(STATS_LINE).count():
             break
         time.sleep(0.05)
+    return lengths
+
+
+def test_chat_with_an_image_streams_a_reply(page, red_image):
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    lengths = ask_about_an_image(page, red_image)
     page.screenshot(path=os.path.join(ARTIFACTS, "chat.png"), full_page=True)
     growing = sorted(set(lengths))
     assert len(growing) >= 4, lengths  # the reply was seen at several lengths while it streamed

@@ -84,24 +84,31 @@ def test_replies_equal_the_in_process_engine_token_for_token(engine, manager, tm
                {key: here.stats[key] for key in ("visual_tokens", "prompt_tokens")}
 
 
-def test_16_users_through_the_app_each_get_the_in_process_answer(engine_url, manager, tmp_path):
-    requests = picture_requests(tmp_path, 16, seed=1, question="User {i}: what is in picture {i}?")
-    settings = GenerationSettings(**FIXED)
-    expected = {key: reply(manager, user(text, path), settings).text for key, (text, path) in requests.items()}
+def answers_at_once(ask, keys) -> dict:
+    """{key: ask(key)} with every call on a thread of its own, all at once; fails on any error."""
     answers, failures = {}, []
 
     def run(key):
         try:
-            answers[key] = stream(Client(engine_url, verbose=False), requests[key][0], [requests[key][1]], FIXED)[1][0]
+            answers[key] = ask(key)
         except Exception as error:  # asserted below
             failures.append((key, error))
 
-    threads = [threading.Thread(target=run, args=(key,)) for key in requests]
+    threads = [threading.Thread(target=run, args=(key,)) for key in keys]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
     assert not failures
+    return answers
+
+
+def test_16_users_through_the_app_each_get_the_in_process_answer(engine_url, manager, tmp_path):
+    requests = picture_requests(tmp_path, 16, seed=1, question="User {i}: what is in picture {i}?")
+    settings = GenerationSettings(**FIXED)
+    expected = {key: reply(manager, user(text, path), settings).text for key, (text, path) in requests.items()}
+    answers = answers_at_once(
+        lambda key: stream(Client(engine_url, verbose=False), requests[key][0], [requests[key][1]], FIXED)[1][0], requests)
     assert len(set(expected.values())) > 8 and answers == expected  # nobody got anybody else's answer
 
 

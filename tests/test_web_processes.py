@@ -6,8 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 
 import httpx
@@ -20,8 +18,8 @@ from app.front import SessionRouter, routing_key
 from tests.conftest import ROOT, free_port, make_image, picture_requests, wait_for
 from tests.test_api import FIXED, stream
 from tests import test_browser
-from tests.test_browser import STATS_LINE, open_page
-from tests.test_engine_process import reply, user
+from tests.test_browser import STATS_LINE, ask_about_an_image, open_page, set_max_new_tokens
+from tests.test_engine_process import answers_at_once, reply, user
 
 PROCESSES = 2
 browser = test_browser.browser  # the fixture, shared
@@ -85,24 +83,13 @@ def test_each_user_gets_their_own_answer_from_either_web_process(app, manager, t
     requests = picture_requests(tmp_path, len(clients), seed=3, question="User {i}: what is in picture {i}?")
     settings = GenerationSettings(**FIXED)
     expected = {key: reply(manager, user(text, path), settings).text for key, (text, path) in requests.items()}
-    answers, failures = {}, []
-
-    def run(client, key):
-        try:
-            answers[key] = stream(client, requests[key][0], [requests[key][1]], FIXED)[1][0]
-        except Exception as error:  # asserted below
-            failures.append((key, error))
-
-    threads = [threading.Thread(target=run, args=pair) for pair in zip(clients, requests)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not failures
+    answers = answers_at_once(lambda key: stream(clients[key], requests[key][0], [requests[key][1]], FIXED)[1][0], requests)
     assert len(set(expected.values())) > 4 and answers == expected  # nobody got anybody else's answer
-    # A follow-up in the same conversation goes to the process that holds the session.
-    follow_up = stream(clients[-1], "And what colour is it?", [], FIXED)[1]
-    assert len(follow_up) == 2
+    # A follow-up goes to the process that holds the session's conversation: it still has the picture.
+    _, (_, stats) = stream(clients[-1], "And what colour is it?", [], {**FIXED, "follow_up": True})
+    assert stats["visual_tokens"] > 0
+    _, (_, stats) = stream(clients[-1], "A new question.", [], FIXED)
+    assert stats["visual_tokens"] == 0
 
 
 def test_the_rest_api_finds_its_event_on_either_process(app, tmp_path):
@@ -120,23 +107,12 @@ def test_the_rest_api_finds_its_event_on_either_process(app, tmp_path):
 
 def test_the_page_streams_through_the_front_and_a_closed_tab_frees_the_batch(app, browser, red_image):
     page = open_page(browser, app.url)
-    page.locator("#chat-input input[type=file]").set_input_files(red_image)
-    page.locator("#chat-input textarea").fill("What is in this picture?")
-    page.wait_for_timeout(500)  # the upload finishes before sending
-    page.locator("#chat-input textarea").press("Enter")
-    lengths = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not page.get_by_text(STATS_LINE).count():
-        lengths.append(len(page.locator("#chat").inner_text()))
-        time.sleep(0.05)
+    lengths = ask_about_an_image(page, red_image)
     assert len(set(lengths)) >= 4, lengths  # seen at several lengths while it streamed, through the proxy
     assert page.get_by_text(STATS_LINE).inner_text().startswith("640 visual tokens")
     assert page.locator("img[src*='red']").count() >= 1  # the upload is shown, served by either process
 
-    page.locator(".sidebar .toggle-button").first.click()
-    box = page.get_by_label("number input for Max new tokens")
-    box.fill("4000")
-    box.press("Enter")
+    set_max_new_tokens(page, 4000)
     page.locator("#chat-input textarea").fill("Write a very long essay.")
     page.locator("#chat-input textarea").press("Enter")
     assert wait_for(lambda: app.metric("minicpmv_batch_size") == 1, 30)
