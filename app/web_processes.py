@@ -20,6 +20,7 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -110,6 +111,7 @@ class WebProcesses:
 def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], ready) -> None:
     """A web process's main: connect to the engine process, then serve the app on config's local port."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the front stops us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # how it does: exit as Python does, releasing what we hold
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [web {index}]: %(message)s")
     from app.main import launch
 

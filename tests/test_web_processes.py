@@ -136,6 +136,16 @@ def test_a_web_process_that_dies_is_replaced_and_its_request_leaves_the_batch(ap
     assert stream(fresh, "Back?", [], FIXED)[1][1]["new_tokens"] == 24
 
 
+def test_a_crashed_engine_process_is_restarted_and_both_web_processes_reconnect(app):
+    def engine_pids():
+        return re.findall(r"Engine process (\d+) serves", app.log())
+
+    os.kill(int(engine_pids()[-1]), signal.SIGKILL)
+    assert wait_for(lambda: len(engine_pids()) == 2, 120), app.log()
+    for client in clients_on_each_process(app.url, 1):  # a request waits for its process to reconnect
+        assert stream(client, "Back?", [], FIXED)[1][1]["new_tokens"] == 24
+
+
 def test_routing_keys_of_gradio_requests():
     assert routing_key("/gradio_api/queue/data", {"session_hash": "s1"}, None) == "s1"
     assert routing_key("/gradio_api/heartbeat/s2", {}, None) == "s2"
