@@ -7,7 +7,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from app.engine import vision_tower
 from app.engine.batch_runner import BatchRunner
-from app.engine.inputs import prepare_inputs
+from app.engine.inputs import load_processor, prepare_inputs
 from app.engine.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 from app.engine.settings import GenerationSettings
 from tests.conftest import make_image, make_video
@@ -48,6 +48,28 @@ def test_pixels_come_prepared_in_the_towers_dtype(manager, tmp_path):
     assert as_sent.tensors["pixel_values"].dtype == torch.bfloat16
     # What the model's own cast would have made of them.
     assert torch.equal(as_sent.tensors["pixel_values"], as_processed.tensors["pixel_values"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
+def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
+    folder = str(tmp_path / "checkpoint")
+    build_random_checkpoint(folder, config)
+    shipped, ours = AutoProcessor.from_pretrained(folder), load_processor(folder, trust_remote_code=False)
+    for part in ("image_processor", "video_processor"):  # both were changed
+        assert getattr(ours, part).reshape_by_patch.__name__ != type(getattr(ours, part)).reshape_by_patch.__name__
+    images = [make_image(tmp_path, f"{i}.png", size, (40 * i, 90, 200 - 40 * i))
+              for i, size in enumerate([(1344, 1344), (700, 300), (180, 900), (30, 30)])]
+    video = make_video(tmp_path, seconds=3, fps=4)
+    requests = [[{"role": "user", "content": [{"type": "image", "path": path} for path in images] + [{"type": "text", "text": "?"}]}],
+                [{"role": "user", "content": [{"type": "video", "path": video}, {"type": "text", "text": "?"}]}]]
+    for mode in ("16x", "4x"):
+        settings = GenerationSettings(max_new_tokens=8, downsample_mode=mode)
+        for messages in requests:
+            expected = prepare_inputs(shipped, messages, settings, 8192).tensors
+            got = prepare_inputs(ours, messages, settings, 8192).tensors
+            assert expected.keys() == got.keys()
+            for key, value in expected.items():
+                assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
 
 
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])

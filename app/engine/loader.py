@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 from app import limits
 from app.config import TINY_RANDOM
+from app.engine.inputs import load_processor
 from app.engine.presets import FIRST_TRANSFORMERS, SERVED_MODEL_TYPES, UNSERVED_MODEL_TYPES
 from app.engine.quantized import complete_quantization_config, load_in_4bit_config
 from app.errors import UserError
@@ -102,7 +103,7 @@ def _not_served(model_type: str) -> ModelUnavailable:
 def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str,
                               trust_remote_code: bool = False, load_in_4bit: bool = False):
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     try:
         config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
@@ -125,7 +126,7 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
             quantization = load_in_4bit_config(source.name, config, device, dtype)
     except UserError as error:
         raise ModelUnavailable(str(error)) from error
-    processor = AutoProcessor.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    processor = load_processor(source.path, trust_remote_code)
     model = AutoModelForImageTextToText.from_pretrained(
         source.path, dtype=dtype, attn_implementation=attn_implementation, device_map=device,
         trust_remote_code=trust_remote_code, config=config, quantization_config=quantization,

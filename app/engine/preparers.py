@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context, parent_process
 
 from app import limits
-from app.engine.inputs import PreparedInputs, prepare_inputs
+from app.engine.inputs import PreparedInputs, load_processor, prepare_inputs
 from app.engine.settings import GenerationSettings
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,11 @@ _processor = None  # a worker process's own
 def _load_processor(path: str, trust_remote_code: bool, ready) -> None:
     global _processor
     import torch
-    from transformers import AutoProcessor
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches every process of the terminal: the engine stops us
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     torch.set_num_threads(1)  # many workers side by side: one core each
-    _processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _processor = load_processor(path, trust_remote_code)
     ready.put(os.getpid())
 
 

@@ -1,0 +1,50 @@
+"""Preparing one request's inputs on one CPU core (`app/engine/inputs.py`), as a preparing worker does it:
+the benchmark's 1344x1344 PNG decoded, sliced (10 slices), cut into patches and cast to bf16, the prompt
+rendered and tokenized. The processor as transformers ships it against the one the app loads (patches
+cut by a reshape); the decoding of the PNG alone is timed apart. Only the processor's configuration
+matters here, so the tiny checkpoint (same image and video processors as the real one) stands in:
+
+    python benchmarks/prepare.py --runs 9 --json prepare.json
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.prefill import timed  # noqa: E402
+from benchmarks.real_shape import benchmark_request  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoProcessor
+
+    from app.engine.inputs import load_processor, prepare_inputs
+    from app.engine.random_checkpoint import ensure_tiny_checkpoint
+    from app.engine.settings import GenerationSettings
+    from app.media.images import load_image
+
+    torch.set_num_threads(1)  # as in a preparing worker
+    folder = ensure_tiny_checkpoint()
+    image, messages = benchmark_request()
+    settings = GenerationSettings(max_new_tokens=128)
+    row = {"decode_png_ms": round(timed(lambda: None, lambda: load_image(image), args.runs)[0], 1)}
+    for name, processor in (("as_shipped", AutoProcessor.from_pretrained(folder)), ("app", load_processor(folder, False))):
+        prepare = lambda: prepare_inputs(processor, messages, settings, 32768, pixel_dtype=torch.bfloat16)  # noqa: E731
+        row[f"{name}_ms"] = round(timed(lambda: None, prepare, args.runs)[0], 1)
+    print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(row, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
