@@ -25,7 +25,6 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from app import limits
 
 log = logging.getLogger(__name__)
-logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
 
 # Headers of one connection, not of the request: not passed on (RFC 9110, 7.6.1).
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
@@ -88,6 +87,7 @@ class Front:
         self.router = SessionRouter(len(backends))
         self._clients = None  # made in the server's event loop, on the first request
         self.closing = False  # set when the processes are being stopped: their streams end then
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
 
     def _client(self, index: int) -> httpx.AsyncClient:
         if self._clients is None:

@@ -65,6 +65,7 @@ RESERVED_COLUMNS = _limit("RESERVED_COLUMNS", 1024)
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
+WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen
 ENGINE_CONNECT_TIMEOUT_S = 600  # a web process waits this long for the engine process to listen (a model loading)
 # A reply's text goes out at most this often (tokens in between are sent together): smooth to read,
 # and hundreds of streams do not flood the server with one event per token.

@@ -18,11 +18,15 @@ log = logging.getLogger("app")
 def load_manager(config: AppConfig) -> ModelManager:
     manager = get_manager(config)
     if not manager.loaded:
-        manager.load()
-        if config.warmup:
-            on_zero_gpu(manager.warm_up)()
-            manager.metrics.reset()  # the panel and /metrics count users' requests, not the warm-up's
+        load_and_warm_up(manager, config)
     return manager
+
+
+def load_and_warm_up(manager, config: AppConfig) -> None:
+    manager.load()
+    if config.warmup:
+        on_zero_gpu(manager.warm_up)()
+        manager.metrics.reset()  # the panel and /metrics count users' requests, not the warm-up's
 
 
 def use_upload_folder(config: AppConfig) -> str:

@@ -26,22 +26,19 @@ import threading
 import time
 from dataclasses import replace
 
+from app import limits
 from app.config import AppConfig
 from app.engine.engine_process import EngineConnection, EngineProcess
 
 log = logging.getLogger(__name__)
 
-WEB_PROCESS_START_TIMEOUT_S = 300  # import Gradio, build the UI, listen
-
-
 def start_engine(config: AppConfig) -> EngineProcess:
     """The engine process, listening for web processes on a socket of its own; loaded and warmed up."""
     address = os.path.join(tempfile.mkdtemp(prefix="minicpmv-engine-"), "engine.sock")
+    from app.main import load_and_warm_up
+
     engine = EngineProcess(config, listen=(address, os.urandom(32)))
-    engine.load()
-    if config.warmup:
-        engine.warm_up()
-        engine.metrics.reset()  # the panel and /metrics count users' requests, not the warm-up's
+    load_and_warm_up(engine, config)
     return engine
 
 
@@ -76,7 +73,7 @@ class WebProcesses:
                                         name=f"minicpmv-web-{index}")
         process.start()
         self._processes[index] = process
-        deadline = time.monotonic() + WEB_PROCESS_START_TIMEOUT_S
+        deadline = time.monotonic() + limits.WEB_PROCESS_START_TIMEOUT_S
         while True:
             try:
                 if self._ready.get(timeout=1) == index:

@@ -28,12 +28,12 @@ Messages, pickled over the pipe or a connection:
 """
 
 import atexit
-import os
 import functools
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import signal
 import threading
@@ -262,7 +262,7 @@ class EngineConnection(EngineClient):
             try:
                 connection = multiprocessing.connection.Client(self.address, authkey=self.key)
                 break
-            except (FileNotFoundError, ConnectionRefusedError):
+            except (OSError, EOFError):  # not listening yet, or still the socket of one that is dying
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"No engine process listens at {self.address}") from None
                 time.sleep(0.2)
