@@ -103,6 +103,8 @@ class WebProcesses:
         for process in self._processes:
             if process is not None:
                 process.join(10)
+                if process.is_alive():  # stuck: it must not outlive the app
+                    process.kill()
 
 
 def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], ready) -> None:
