@@ -1,7 +1,8 @@
 """Preparing one request's inputs on one CPU core (`app/engine/inputs.py`), as a preparing worker does it:
 the benchmark's 1344x1344 PNG decoded, sliced (10 slices), cut into patches and cast to bf16, the prompt
 rendered and tokenized. The processor as transformers ships it against the one the app loads (patches
-cut by a reshape); the decoding of the PNG alone is timed apart. Only the processor's configuration
+cut by a reshape), and the app's processor through one worker process (app.engine.preparers, as on a
+GPU box: the hop and the pixels' way back included); the decoding of the PNG alone is timed apart. Only the processor's configuration
 matters here, so the tiny checkpoint (same image and video processors as the real one) stands in:
 
     python benchmarks/prepare.py --runs 9 --json prepare.json
@@ -28,6 +29,7 @@ def main() -> None:
     from transformers import AutoProcessor
 
     from app.engine.inputs import load_processor, prepare_inputs
+    from app.engine.preparers import ProcessPreparer
     from app.engine.random_checkpoint import ensure_tiny_checkpoint
     from app.engine.settings import GenerationSettings
     from app.media.images import load_image
@@ -40,6 +42,9 @@ def main() -> None:
     for name, processor in (("as_shipped", AutoProcessor.from_pretrained(folder)), ("app", load_processor(folder, False))):
         prepare = lambda: prepare_inputs(processor, messages, settings, 32768, pixel_dtype=torch.bfloat16)  # noqa: E731
         row[f"{name}_ms"] = round(timed(lambda: None, prepare, args.runs)[0], 1)
+    worker = ProcessPreparer(folder, False, 1, torch.bfloat16)
+    row["app_in_a_worker_process_ms"] = round(timed(lambda: None, lambda: worker.prepare(messages, settings, 32768), args.runs)[0], 1)
+    worker.close()
     print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as file:
