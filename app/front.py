@@ -85,18 +85,13 @@ class Front:
     def __init__(self, backends: list[str]):
         self.backends = backends
         self.router = SessionRouter(len(backends))
-        self._clients = None  # made in the server's event loop, on the first request
         self.closing = False  # set when the processes are being stopped: their streams end then
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
-
-    def _client(self, index: int) -> httpx.AsyncClient:
-        if self._clients is None:
-            # Idle connections are dropped here before a web process drops them (uvicorn: after 5 s), so that
-            # a request is not sent down one that the process is closing at that moment.
-            pool = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2)
-            self._clients = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10), limits=pool)
-                             for url in self.backends]
-        return self._clients[index]
+        # Idle connections are dropped here before a web process drops them (uvicorn: after 5 s), so that
+        # a request is not sent down one that the process is closing at that moment.
+        pool = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2)
+        self._clients = [httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=10), limits=pool)
+                         for url in backends]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":  # Gradio's pages use HTTP only (server-sent events, no websockets)
@@ -146,7 +141,7 @@ class Front:
             attempts += [(index + step) % len(self.backends) for step in range(1, len(self.backends))]
         failure = None
         for index in attempts:
-            client = self._client(index)
+            client = self._clients[index]
             outgoing = client.build_request(request.method, target, headers=headers,
                                             content=request.stream() if streamed_body else body)
             try:
