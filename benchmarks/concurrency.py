@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.real_shape import DEFAULT_FOLDER, QUESTION, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.cpu_use import CpuUse, own_cpu_seconds  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from benchmarks.streaming_client import streamed_outputs  # noqa: E402
 
 
@@ -284,9 +285,7 @@ def main() -> None:
                           tuple(web.pids) if web else (), args.client_processes)
         report["levels"].append(level)
         print(json.dumps(level), flush=True)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(report, file, indent=2)
+    write_json(args.json, report)
     if web:
         web.close()
 

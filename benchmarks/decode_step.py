@@ -18,6 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 
 def timed_steps(step, count: int) -> float:
@@ -148,9 +149,7 @@ def main() -> None:
                 row["profile"] = profiled
             results["batches"].append(row)
             print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

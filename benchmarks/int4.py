@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 VARIANTS = ("bf16", "gptq", "awq", "bnb-4bit")
 
@@ -114,9 +115,7 @@ def main() -> None:
             result["decode"] = run_json(["benchmarks/decode_step.py", *model, "--batches", args.batches, "--no-eager"],
                                         f"{name}-decode.json", args.timeout, f"{name}-decode.log")
         print(json.dumps({variant: result}), flush=True)
-        if args.json:  # after each variant, so that a run cut short keeps what it measured
-            with open(args.json, "w") as file:
-                json.dump(report, file, indent=2)
+        write_json(args.json, report)  # after each variant, so that a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

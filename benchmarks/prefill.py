@@ -22,6 +22,7 @@ from app.engine.manager import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
 from benchmarks.decode_step import kernel_profile  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 
 def timed(synchronize, function, runs: int) -> tuple[float, object]:
@@ -84,9 +85,7 @@ def main() -> None:
             profiles.append({"rows": rows, **kernel_profile(lambda: text(rows, vision(rows)), 1, args.kernels)})
             print(json.dumps(profiles[-1], indent=1))
     results["profiles"] = profiles
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

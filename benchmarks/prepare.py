@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.prefill import timed  # noqa: E402
 from benchmarks.real_shape import benchmark_request  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -46,9 +47,7 @@ def main() -> None:
     row["app_in_a_worker_process_ms"] = round(timed(lambda: None, lambda: worker.prepare(messages, settings, 32768), args.runs)[0], 1)
     worker.close()
     print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(row, file, indent=2)
+    write_json(args.json, row)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.prefill import timed  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 VOCAB = 248094
 
@@ -50,9 +51,7 @@ def main() -> None:
             row[f"{name} ms"] = round(milliseconds, 2)
         print(json.dumps(row), flush=True)
         results["rows"].append(row)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from app.config import AppConfig  # noqa: E402
 from app.engine.manager import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -90,9 +91,7 @@ def main() -> None:
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(result, file, indent=2)
+    write_json(args.json, result)
 
 
 

@@ -16,6 +16,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 
 def gib(count: int | None) -> float | None:
@@ -69,9 +70,7 @@ def main() -> None:
         "answer_after_switch": {key: stats[key] for key in ("ttft_ms", "new_tokens")},
     }
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(result, file, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from contextlib import nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import write_json  # noqa: E402
+
 HEADS, DIM = 16, 72
 SLICES_PER_IMAGE = 10
 # (name, tokens per segment, segments per image, calls per wave)
@@ -83,9 +85,7 @@ def main() -> None:
                     row[f"{name}_ms"] = f"unavailable: {str(error)[:80]}"
             print(json.dumps(row), flush=True)
             results["rows"].append(row)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":
