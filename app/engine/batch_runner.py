@@ -14,6 +14,7 @@ import torch
 
 from app import limits
 from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
+from app.engine.fused_decode import fused_decoder_for
 from app.engine.vision_tower import slice_layout, tune_vision_tower
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class BatchRunner:
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         self.graphs = _DecodeGraphs(self) if use_cuda_graphs else None
+        self.fused = fused_decoder_for(model, self.store) if limits.FUSED_DECODE else None
         tune_vision_tower(model)
 
     # Media ---------------------------------------------------------------------------------------
@@ -149,6 +151,12 @@ class BatchRunner:
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The decode computation itself: slot i reads its columns [0, positions[i]] and writes column positions[i]."""
+        if self.fused is not None:
+            return self.fused.decode(tokens, positions)
+        return self.decode_step_through_transformers(tokens, positions)
+
+    def decode_step_through_transformers(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """decode_step through transformers' layers (for models app.engine.fused_decode does not cover)."""
         columns = torch.arange(self.store.column_capacity, device=self.device)
         visible = (columns[None, :] <= positions[:, None])[:, None, None, :]
         rope = positions + self.store.rope_deltas[: positions.shape[0]]

@@ -1,0 +1,160 @@
+"""The operations of the fused decode step (app.engine.fused_decode), one token per sequence.
+
+Each is one Triton kernel on CUDA (app.engine.decode_triton) and plain PyTorch elsewhere. The PyTorch
+versions below are the reference: they follow transformers' Qwen3.5 text layers operation for
+operation (the CPU path gives the same logits as transformers' layers); the kernels compute the same in
+fp32 registers and round once at the end, so on the GPU they differ from transformers by bf16 rounding.
+
+Shapes: n sequences; `projection` is a row of a merged input projection, read at column offsets.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _triton_ops():
+    """The Triton kernels, or None where Triton cannot be imported (the PyTorch versions run then)."""
+    try:
+        from app.engine import decode_triton
+    except ImportError:
+        return None
+    return decode_triton
+
+
+def _kernels_for(tensor: torch.Tensor):
+    return _triton_ops() if tensor.is_cuda else None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(RMS-normalized residual + x times `weight`, the new residual): the residual stream is kept in
+    x's dtype, as the model adds it. `weight` is fp32 and already the model's 1 + w."""
+    kernels = _kernels_for(x)
+    if kernels is not None:
+        return kernels.add_rms_norm(x, residual, weight, eps)
+    if residual is not None:
+        x = residual + x
+    hidden = x.float()
+    normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return normed.to(x.dtype), x
+
+
+def conv_step(projection: torch.Tensor, channels: int, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The DeltaNet layer's causal depthwise convolution for one new input (the first `channels` columns
+    of `projection`), then SiLU. `state` [n, channels, width] holds the last inputs and is shifted in
+    place; `weight` [channels, width]. Returns [n, channels]."""
+    kernels = _kernels_for(projection)
+    if kernels is not None:
+        return kernels.conv_step(projection, channels, state, weight)
+    window = torch.cat([state[:, :, 1:], projection[:, :channels, None]], dim=-1).to(weight.dtype)
+    state.copy_(window)
+    return F.silu(F.conv1d(window, weight[:, None], groups=channels)[:, :, 0])
+
+
+def gated_delta_step(qkv: torch.Tensor, projection: torch.Tensor, beta_column: int, decay_column: int,
+                     a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """One token of the gated delta rule. `qkv` [n, 2 * key_heads * K + value_heads * V] (queries, keys,
+    values); the betas' and decays' raw inputs are `projection` columns from beta_column and
+    decay_column, one per value head. `state` [n, value_heads, K, V] fp32 is updated in place.
+    Returns the output [n, value_heads * V]."""
+    kernels = _kernels_for(qkv)
+    if kernels is not None:
+        return kernels.gated_delta_step(qkv, projection, beta_column, decay_column, a_log, dt_bias, state, key_heads)
+    n, value_heads, k_dim, v_dim = state.shape
+    query, key, value = qkv.split([key_heads * k_dim, key_heads * k_dim, value_heads * v_dim], dim=-1)
+    query, key = (t.reshape(n, key_heads, k_dim).repeat_interleave(value_heads // key_heads, dim=1).float()
+                  for t in (query, key))
+    query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6) / k_dim ** 0.5
+    key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    beta = projection[:, beta_column:beta_column + value_heads].sigmoid().float()
+    decay = -a_log.float().exp() * F.softplus(projection[:, decay_column:decay_column + value_heads].float() + dt_bias)
+    updated = state * decay.exp()[..., None, None]
+    remembered = (updated * key[..., None]).sum(dim=-2)
+    delta = (value.reshape(n, value_heads, v_dim).float() - remembered) * beta[..., None]
+    updated = updated + key[..., None] * delta[..., None, :]
+    state.copy_(updated)
+    return (updated * query[..., None]).sum(dim=-2).to(qkv.dtype).reshape(n, -1)
+
+
+def gated_rms_norm(x: torch.Tensor, projection: torch.Tensor, gate_column: int, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """Per head: RMS-normalized x times `weight`, times SiLU of the gate (`projection` columns from
+    gate_column, as wide as x). x [n, heads * head_dim]; weight [head_dim]."""
+    kernels = _kernels_for(x)
+    if kernels is not None:
+        return kernels.gated_rms_norm(x, projection, gate_column, weight, eps)
+    n, width = x.shape
+    heads = x.reshape(n, -1, weight.shape[0]).float()
+    normed = (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    gate = projection[:, gate_column:gate_column + width].reshape(heads.shape).float()
+    return (normed * F.silu(gate)).to(x.dtype).reshape(n, width)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU of the first half of each row times its second half: the MLP's [n, 2 * I] -> [n, I]."""
+    kernels = _kernels_for(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def attention_inputs(projection: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor,
+                     k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_scaling: float,
+                     rope_positions: torch.Tensor, columns: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> torch.Tensor:
+    """The full-attention layer's queries [n, heads, head_dim], ready: RMS-normalized per head (q_norm,
+    k_norm fp32, the model's 1 + w), rotary embedding over the first 2 * len(inv_freq) dimensions at
+    `rope_positions`. The new keys and values are written into `keys` / `values` [slots, kv_heads,
+    columns, head_dim] at each sequence's column `columns[i]`.
+
+    `projection` [n, heads * 2 * head_dim + 2 * kv_heads * head_dim]: per head a query then its output
+    gate (the model's q_proj layout), then keys, then values."""
+    kernels = _kernels_for(projection)
+    if kernels is not None:
+        return kernels.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
+                                        rope_scaling, rope_positions, columns, keys, values)
+    n = projection.shape[0]
+    query_gate, key, value = projection.split([heads * 2 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    query = query_gate.reshape(n, heads, 2 * head_dim)[..., :head_dim]
+
+    def normed(t, weight):
+        hidden = t.float()
+        return (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps) * weight).to(t.dtype)
+
+    freqs = rope_positions[:, None].float() * inv_freq
+    cos = (torch.cat([freqs, freqs], dim=-1).cos() * rope_scaling).to(projection.dtype)[:, None]
+    sin = (torch.cat([freqs, freqs], dim=-1).sin() * rope_scaling).to(projection.dtype)[:, None]
+
+    def rotated(t):
+        rotary = cos.shape[-1]
+        part, rest = t[..., :rotary], t[..., rotary:]
+        first, second = part.chunk(2, dim=-1)
+        return torch.cat([part * cos + torch.cat([-second, first], dim=-1) * sin, rest], dim=-1)
+
+    query = rotated(normed(query, q_norm))
+    rows = torch.arange(n, device=projection.device)
+    keys[rows, :, columns] = rotated(normed(key.reshape(n, kv_heads, head_dim), k_norm))
+    values[rows, :, columns] = value.reshape(n, kv_heads, head_dim)
+    return query
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+           projection: torch.Tensor) -> torch.Tensor:
+    """Attention of each sequence's queries [n, heads, head_dim] over its columns [0, positions[i]] of
+    `keys` / `values` [slots, kv_heads, columns, head_dim], times the sigmoid of each head's output gate
+    (in `projection`, after the head's query: see attention_inputs). Returns [n, heads * head_dim]."""
+    kernels = _kernels_for(query)
+    if kernels is not None:
+        return kernels.attend(query, keys, values, positions, scale, projection)
+    n, heads, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    visible = torch.arange(keys.shape[2], device=query.device)[None, :] <= positions[:, None]
+    # The query heads sharing a key head attend as that head's rows: keys are read once per key head.
+    grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
+    attended = F.scaled_dot_product_attention(grouped, keys[:n], values[:n], attn_mask=visible[:, None, None, :],
+                                              scale=scale).reshape(n, heads * head_dim)
+    gate = projection[:, :heads * 2 * head_dim].reshape(n, heads, 2 * head_dim)[..., head_dim:]
+    return attended * torch.sigmoid(gate.reshape(n, heads * head_dim))

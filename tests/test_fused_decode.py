@@ -1,0 +1,95 @@
+"""The fused decode step (app.engine.fused_decode): the same logits and state as transformers' layers,
+and its Triton kernels the same as their PyTorch versions (run on the CPU by Triton's interpreter)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from app.engine.batch_runner import BatchRunner
+from app.engine.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def state_kinds(store) -> tuple[dict, ...]:
+    return store.keys, store.values, store.conv, store.recurrent
+
+
+def snapshot(store) -> list[dict]:
+    return [{layer: tensor.clone() for layer, tensor in states.items()} for states in state_kinds(store)]
+
+
+def restore(store, saved: list[dict]) -> None:
+    for states, copies in zip(state_kinds(store), saved):
+        for layer, tensor in states.items():
+            tensor.copy_(copies[layer])
+
+
+@pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
+def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
+    folder = str(tmp_path / "checkpoint")
+    build_random_checkpoint(folder, config)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    runner = BatchRunner(model)
+    assert runner.fused is not None
+    store = runner.store
+    vocab = model.config.text_config.vocab_size
+    torch.manual_seed(0)
+    # Prompts of different lengths in one wave, so slots sit at different columns; nonzero rope deltas
+    # as 4.7's images give.
+    prompts = [(torch.randint(0, vocab, (1, length)), None, None) for length in (5, 17, 9)]
+    with torch.inference_mode():
+        runner.prefill(prompts, 0, 64)
+        store.rope_deltas[:3] = torch.tensor([0, 7, -3])
+        positions = store.lengths[:3].clone()
+        for _ in range(4):
+            tokens = torch.randint(0, vocab, (3,))
+            before = snapshot(store)
+            expected = runner.decode_step_through_transformers(tokens, positions.clone())
+            expected_state = snapshot(store)
+            restore(store, before)
+            fused = runner.fused.decode(tokens, positions.clone())
+            torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
+            for ours, theirs in zip(snapshot(store), expected_state):
+                for layer in theirs:
+                    torch.testing.assert_close(ours[layer], theirs[layer], rtol=1e-4, atol=1e-5)
+            assert any(not torch.equal(now[layer], then[layer]) for now, then in zip(snapshot(store), before)
+                       for layer in then)
+            positions += 1
+
+
+class LinearSubclass(torch.nn.Linear):  # as bitsandbytes' 4-bit layers are
+    pass
+
+
+class PackedLinear(torch.nn.Module):  # as GPTQ's and AWQ's are: no nn.Linear, no plain weight
+    def __init__(self, linear):
+        super().__init__()
+        self.packed = linear
+
+    def forward(self, x):
+        return self.packed(x)
+
+
+@pytest.mark.parametrize("replace", [lambda mlp: setattr(mlp.down_proj, "__class__", LinearSubclass),
+                                     lambda mlp: setattr(mlp, "down_proj", PackedLinear(mlp.down_proj))],
+                         ids=["subclass", "packed"])
+def test_quantized_layers_decode_through_transformers(replace, tmp_path):
+    folder = str(tmp_path / "checkpoint")
+    build_random_checkpoint(folder, TINY_CONFIG)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    replace(model.model.language_model.layers[-1].mlp)
+    assert BatchRunner(model).fused is None
+
+
+def test_triton_kernels_equal_their_pytorch_versions():
+    pytest.importorskip("triton")
+    script = os.path.join(ROOT, "tests", "triton_kernels_check.py")
+    run = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "checked 7 kernels" in run.stdout

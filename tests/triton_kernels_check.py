@@ -1,0 +1,101 @@
+"""Each Triton kernel of the fused decode step against its PyTorch version in app.engine.decode_ops, on
+the CPU. Run by tests/test_fused_decode.py with TRITON_INTERPRET=1 (Triton's interpreter), which must be
+set before Triton is imported; on a GPU machine it also runs as is on CUDA tensors."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from app.engine import decode_ops, decode_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
+
+
+def close(ours, reference, name, atol=1e-5):
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=atol, msg=lambda message: f"{name}: {message}")
+
+
+def random(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    n = 3
+    checked = []
+    # Widths off the block sizes, so that masks matter.
+    x, residual, weight = random(n, 48), random(n, 48), 1 + random(48)
+    for given in (None, residual):
+        ours = decode_triton.add_rms_norm(x, given, weight, 1e-6)
+        reference = decode_ops.add_rms_norm(x, given, weight, 1e-6)
+        close(ours[0], reference[0], "add_rms_norm")
+        close(ours[1], reference[1], "add_rms_norm residual")
+    checked.append("add_rms_norm")
+
+    channels, width = 300, 4
+    projection = random(n, channels + 40)  # wider than the convolved channels, as the merged projection is
+    state, conv_weight = random(n, channels, width), random(channels, width)
+    reference_state = state.clone()
+    close(decode_triton.conv_step(projection, channels, state, conv_weight),
+          decode_ops.conv_step(projection, channels, reference_state, conv_weight), "conv_step")
+    close(state, reference_state, "conv_step state")
+    checked.append("conv_step")
+
+    key_heads, value_heads, k_dim, v_dim = 2, 4, 32, 24  # grouped values, a value width off the block
+    qkv = random(n, 2 * key_heads * k_dim + value_heads * v_dim)
+    projection = random(n, 20)
+    a_log, dt_bias = random(value_heads), random(value_heads)
+    projection[0, 12] = 30.0  # a decay input past softplus' threshold
+    state = random(n, value_heads, k_dim, v_dim)
+    reference_state = state.clone()
+    close(decode_triton.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, state, key_heads),
+          decode_ops.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, reference_state, key_heads),
+          "gated_delta_step")
+    close(state, reference_state, "gated_delta_step state")
+    checked.append("gated_delta_step")
+
+    attended, projection, norm_weight = random(n, 4 * 24), random(n, 130), random(24)
+    close(decode_triton.gated_rms_norm(attended, projection, 30, norm_weight, 1e-6),
+          decode_ops.gated_rms_norm(attended, projection, 30, norm_weight, 1e-6), "gated_rms_norm")
+    checked.append("gated_rms_norm")
+
+    gate_up = random(n, 2 * 1100)  # more than one block per row
+    close(decode_triton.silu_and_mul(gate_up), decode_ops.silu_and_mul(gate_up), "silu_and_mul")
+    checked.append("silu_and_mul")
+
+    heads, kv_heads, head_dim = 4, 2, 64
+    projection = random(n, heads * 2 * head_dim + 2 * kv_heads * head_dim)
+    q_norm, k_norm = 1 + random(head_dim), 1 + random(head_dim)
+    columns = torch.tensor([0, 5, 11], device=DEVICE)
+    rope_positions = torch.tensor([3, 1000, 70000], device=DEVICE)
+    for rotary in (16, head_dim):  # partial (4.6) and whole-head (the tiny 4.7) rotary
+        inv_freq = 1.0 / (100 ** (torch.arange(0, rotary, 2, device=DEVICE).float() / rotary))
+        keys, values = random(5, kv_heads, 12, head_dim), random(5, kv_heads, 12, head_dim)
+        reference_keys, reference_values = keys.clone(), values.clone()
+        ours = decode_triton.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, 1e-6, inv_freq,
+                                              1.0, rope_positions, columns, keys, values)
+        reference = decode_ops.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, 1e-6, inv_freq,
+                                                1.0, rope_positions, columns, reference_keys, reference_values)
+        close(ours, reference, "attention_inputs", atol=1e-4)  # cos and sin of large angles, in two libraries
+        close(keys, reference_keys, "attention_inputs keys", atol=1e-4)
+        close(values, reference_values, "attention_inputs values")
+    checked.append("attention_inputs")
+
+    # Sequences at the first column, mid-way and near the end of a capacity off the part sizes.
+    capacity = 300
+    keys, values = random(5, kv_heads, capacity, head_dim), random(5, kv_heads, capacity, head_dim)
+    query = random(n, heads, head_dim)
+    positions = torch.tensor([0, 77, 298], device=DEVICE)
+    # On a GPU, Triton's matrix products of fp32 run in TF32.
+    close(decode_triton.attend(query, keys, values, positions, 0.125, projection),
+          decode_ops.attend(query, keys, values, positions, 0.125, projection), "attend",
+          atol=1e-5 if DEVICE == "cpu" else 1e-2)
+    checked.append("attend")
+    print(f"checked {len(checked)} kernels on {DEVICE}: {', '.join(checked)}")
+
+
+if __name__ == "__main__":
+    main()
