@@ -62,8 +62,8 @@ PREFILL_LENGTH_MULTIPLE = 64
 # as the batch grows (longer ones grow it). About 19 MB + 12 KB per token per slot at the 4.6 shape:
 # 7.9 GB for 256 slots. Attention in the decode step reads every reserved column, so not more.
 RESERVED_COLUMNS = _limit("RESERVED_COLUMNS", 1024)
-# 1: the decode step runs app.engine.fused_decode's kernels where the model allows; 0: transformers' layers.
-FUSED_DECODE = _limit("FUSED_DECODE", 1)
+# 1: the decode step runs app.engine.fused_text's kernels where the model allows; 0: transformers' layers.
+FUSED_TEXT_MODEL = _limit("FUSED_TEXT_MODEL", 1)
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start

@@ -7,7 +7,7 @@ Also compares the captured step's next tokens with those of transformers' layers
     python benchmarks/decode_step.py --model /tmp/real-shape-gptq --batches 1,64 --no-eager   # an int4 checkpoint
     python benchmarks/decode_step.py --batches 1,200 --no-eager --profile 12   # the kernels a replayed step runs
     python benchmarks/decode_step.py --batches 1,64,200 --no-eager --compile   # torch.compile'd step, then captured
-    MINICPMV_FUSED_DECODE=0 python benchmarks/decode_step.py --batches 1,200   # through transformers' layers
+    MINICPMV_FUSED_TEXT_MODEL=0 python benchmarks/decode_step.py --batches 1,200   # through transformers' layers
 """
 
 import argparse
@@ -111,7 +111,7 @@ def main() -> None:
                     d[k].copy_(t)
             store.lengths.copy_(start_lengths)
 
-        # The captured step (fused kernels unless MINICPMV_FUSED_DECODE=0) must choose what transformers'
+        # The captured step (fused kernels unless MINICPMV_FUSED_TEXT_MODEL=0) must choose what transformers'
         # layers choose, eagerly. Random weights leave near-ties, so the share of equal choices is reported.
         check = min(64, max(batches))
         tokens = torch.randint(1000, 100000, (check,), device="cuda")

@@ -2,7 +2,8 @@
 
 At 50-200 users the scheduler spends most of its time prefilling newcomers (benchmarks/RESULTS.md), so
 this times the two halves of a wave exactly as the scheduler runs them (BatchRunner.encode_media, then
-BatchRunner.prefill) for waves of --rows requests of the benchmark's 1344x1344 image, and lists the GPU
+BatchRunner.prefill; the fused text model's prefill against transformers' layers too, with their next
+tokens compared) for waves of --rows requests of the benchmark's 1344x1344 image, and lists the GPU
 kernels of the smallest and the largest wave (their busy time against the wave's: launch-bound or not).
 Random weights at the real 4.6 shape; run on a GPU machine:
 
@@ -64,18 +65,31 @@ def main() -> None:
     def vision(rows):
         return runner.encode_media([(prepared.tensors, mode)] * rows)
 
+    def prompts(features):
+        return [(prepared.tensors["input_ids"], feature, prepared.canvas) for feature in features]
+
     def text(rows, features):
-        logits = runner.prefill([(prepared.tensors["input_ids"], feature, prepared.canvas) for feature in features],
-                                0, prepared.prompt_tokens + 128)
+        logits = runner.prefill(prompts(features), 0, prepared.prompt_tokens + 128)
+        runner.store.release()
+        return logits
+
+    def text_through_transformers(rows, features):
+        runner.store.reserve(rows, prepared.prompt_tokens + 128)
+        logits = runner.prefill_through_transformers(prompts(features), 0)
         runner.store.release()
         return logits
 
     with torch.inference_mode():
         for rows in args.rows:
             vision_ms, features = timed(synchronize, lambda: vision(rows), args.runs)
-            text_ms, _ = timed(synchronize, lambda: text(rows, features), args.runs)
+            text_ms, logits = timed(synchronize, lambda: text(rows, features), args.runs)
             wave = {"rows": rows, "vision_ms": round(vision_ms, 1), "text_ms": round(text_ms, 1),
                     "per_request_ms": round((vision_ms + text_ms) / rows, 1)}
+            if runner.fused is not None:  # the fused text model against transformers' layers
+                theirs_ms, theirs = timed(synchronize, lambda: text_through_transformers(rows, features), args.runs)
+                wave.update(text_ms_through_transformers=round(theirs_ms, 1),
+                            same_choice=float((logits.argmax(-1) == theirs.argmax(-1)).float().mean()),
+                            max_abs_logit_diff=float((logits.float() - theirs.float()).abs().max()))
             results["waves"].append(wave)
             print(json.dumps(wave), flush=True)
 

@@ -1,10 +1,10 @@
 """The model's side of batching: encode media of many requests at once, prefill them together into
 their slots, and run one decode step for every running slot together.
 
-On CUDA the decode step is captured as a CUDA graph per batch-size bucket and replayed: a decode step
-of this model is a long chain of small kernels, and launching them from Python costs far more than
-running them (27-45 ms a step eagerly on an H200, 4.1 ms replayed; benchmarks/RESULTS.md). Elsewhere it
-runs eagerly.
+The text model runs as app.engine.fused_text writes it out where the checkpoint allows (else through
+transformers' layers). On CUDA the decode step is captured as a CUDA graph per batch-size bucket and
+replayed: even fused, a step is a chain of a few hundred small kernels, and launching them from Python
+would cost more than running them. Elsewhere it runs eagerly.
 """
 
 import functools
@@ -14,7 +14,7 @@ import torch
 
 from app import limits
 from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
-from app.engine.fused_decode import fused_decoder_for
+from app.engine.fused_text import fused_text_model_for
 from app.engine.vision_tower import slice_layout, tune_vision_tower
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class BatchRunner:
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         self.graphs = _DecodeGraphs(self) if use_cuda_graphs else None
-        self.fused = fused_decoder_for(model, self.store) if limits.FUSED_DECODE else None
+        self.fused = fused_text_model_for(model, self.store) if limits.FUSED_TEXT_MODEL else None
         tune_vision_tower(model)
 
     # Media ---------------------------------------------------------------------------------------
@@ -100,27 +100,34 @@ class BatchRunner:
         count = len(prompts)
         self.store.reserve(first_slot + count, columns)
         lengths = [prompt[0].shape[1] for prompt in prompts]
+        deltas = [canvas[1] if canvas is not None else 0 for _, _, canvas in prompts]
+        # MiniCPM-V 4.7's canvas positions (three M-RoPE channels apart) go through transformers' layers.
+        if self.fused is not None and not any(canvas is not None for _, _, canvas in prompts):
+            features = [f for _, f, _ in prompts if f is not None]
+            embeddings = self._embedded(torch.cat([input_ids for input_ids, _, _ in prompts], dim=1),
+                                        torch.cat(features) if features else None)
+            logits = self.fused.prefill(embeddings[0], lengths, first_slot)
+        else:
+            logits = self.prefill_through_transformers(prompts, first_slot)
+        self.store.lengths[first_slot:first_slot + count] = torch.tensor(lengths, device=self.device)
+        self.store.rope_deltas[first_slot:first_slot + count] = torch.tensor(deltas, device=self.device)
+        return logits
+
+    def prefill_through_transformers(self, prompts: list[tuple], first_slot: int) -> torch.Tensor:
+        """prefill's computation through transformers' layers: the prompts left-padded to one length."""
+        count = len(prompts)
+        lengths = [prompt[0].shape[1] for prompt in prompts]
         # One prompt alone needs no padding (nor an attention mask, whose size grows with its square).
         padded = lengths[0] if count == 1 else padded_length(max(lengths))
-        embeds = []
-        for input_ids, features, _ in prompts:
-            input_ids = input_ids.to(self.device)
-            row = self.embed(input_ids)
-            if features is not None:
-                placeholders = input_ids == self.image_token_id
-                if self.video_token_id is not None:
-                    placeholders |= input_ids == self.video_token_id
-                row[placeholders] = features.to(row.dtype)
-            embeds.append(torch.nn.functional.pad(row, (0, 0, padded - row.shape[1], 0)))
+        embeds = [torch.nn.functional.pad(self._embedded(input_ids, features), (0, 0, padded - length, 0))
+                  for (input_ids, features, _), length in zip(prompts, lengths)]
         real = torch.arange(padded, device=self.device)[None] >= padded - torch.tensor(lengths, device=self.device)[:, None]
         positions = (real.cumsum(-1) - 1).clamp(min=0)
         # Rows: the text position (masks, cache columns), then the three M-RoPE channels.
         rope = positions[None].repeat(3, 1, 1)
-        deltas = torch.zeros(count, dtype=torch.long, device=self.device)
         for row, (_, _, canvas) in enumerate(prompts):
             if canvas is not None:
                 rope[:, row, padded - lengths[row]:] = canvas[0].to(self.device)
-                deltas[row] = canvas[1]
         if all(length == padded for length in lengths):
             masks = {"full_attention": None, "linear_attention": None}  # no padding: plain causal attention
         else:
@@ -135,9 +142,22 @@ class BatchRunner:
             past_key_values=PrefillCache(self.store, first_slot, lengths),
             use_cache=True,
         )
-        self.store.lengths[first_slot:first_slot + count] = torch.tensor(lengths, device=self.device)
-        self.store.rope_deltas[first_slot:first_slot + count] = deltas
         return self.model.lm_head(output.last_hidden_state[:, -1])
+
+    def _embedded(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """Input embeddings [1, length, hidden] of prompt tokens [1, length], their media placeholders
+        holding `features` in order. Neither step waits for the GPU (a pageable copy or a boolean
+        index would, and the GPU may still be busy with a decode step)."""
+        if self.device.type == "cuda":
+            input_ids = input_ids.pin_memory()
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        row = self.embed(input_ids)
+        if features is not None:
+            placeholders = input_ids == self.image_token_id
+            if self.video_token_id is not None:
+                placeholders |= input_ids == self.video_token_id
+            row.masked_scatter_(placeholders[..., None], features.to(row.dtype))
+        return row
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """One step for slots [0, n) fed `tokens` [n]; next-token logits [n, vocab]."""
@@ -156,7 +176,7 @@ class BatchRunner:
         return self.decode_step_through_transformers(tokens, positions)
 
     def decode_step_through_transformers(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """decode_step through transformers' layers (for models app.engine.fused_decode does not cover)."""
+        """decode_step through transformers' layers (for models app.engine.fused_text does not cover)."""
         columns = torch.arange(self.store.column_capacity, device=self.device)
         visible = (columns[None, :] <= positions[:, None])[:, None, None, :]
         rope = positions + self.store.rope_deltas[: positions.shape[0]]

@@ -1,11 +1,13 @@
-"""The operations of the fused decode step (app.engine.fused_decode), one token per sequence.
+"""The operations of the fused text model (app.engine.fused_text): its decode step, one token per
+sequence, and its prefill of prompts packed back to back.
 
-Each is one Triton kernel on CUDA (app.engine.decode_triton) and plain PyTorch elsewhere. The PyTorch
+Each is one Triton kernel on CUDA (app.engine.text_kernels) and plain PyTorch elsewhere. The PyTorch
 versions below are the reference: they follow transformers' Qwen3.5 text layers operation for
 operation (the CPU path gives the same logits as transformers' layers); the kernels compute the same in
 fp32 registers and round once at the end, so on the GPU they differ from transformers by bf16 rounding.
 
-Shapes: n sequences; `projection` is a row of a merged input projection, read at column offsets.
+Shapes: n rows (a sequence's token in a decode step, a prompt's token in a prefill); `projection` is
+a row of a merged input projection, read at column offsets.
 """
 
 import functools
@@ -18,10 +20,10 @@ import torch.nn.functional as F
 def _triton_ops():
     """The Triton kernels, or None where Triton cannot be imported (the PyTorch versions run then)."""
     try:
-        from app.engine import decode_triton
+        from app.engine import text_kernels
     except ImportError:
         return None
-    return decode_triton
+    return text_kernels
 
 
 def _kernels_for(tensor: torch.Tensor):
@@ -51,6 +53,62 @@ def conv_step(projection: torch.Tensor, channels: int, state: torch.Tensor, weig
     window = torch.cat([state[:, :, 1:], projection[:, :channels, None]], dim=-1).to(weight.dtype)
     state.copy_(window)
     return F.silu(F.conv1d(window, weight[:, None], groups=channels)[:, :, 0])
+
+
+def packed_conv(projection: torch.Tensor, channels: int, weight: torch.Tensor, lengths: list[int],
+                positions: torch.Tensor) -> torch.Tensor:
+    """The DeltaNet layer's causal depthwise convolution, then SiLU, over prompts packed back to back (of
+    `lengths` tokens; `positions` [tokens]: each token's place in its prompt), each from a zero state:
+    the first `channels` columns of `projection`. Returns [tokens, channels]."""
+    kernels = _kernels_for(projection)
+    if kernels is not None:
+        return kernels.packed_conv(projection, channels, weight, positions)
+    outputs, start = [], 0
+    for length in lengths:
+        prompt = projection[start:start + length, :channels].T[None].to(weight.dtype)
+        convolved = F.conv1d(prompt, weight[:, None], padding=weight.shape[1] - 1, groups=channels)[0, :, :length]
+        outputs.append(F.silu(convolved).T)
+        start += length
+    return torch.cat(outputs).to(projection.dtype)
+
+
+def chunk_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+                     beta: torch.Tensor, bounds: torch.Tensor,
+                     device_bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over prompts packed back to back, each from a zero state, as the DeltaNet
+    layer's prefill runs it. `bounds`: where each prompt starts, then the end, on the CPU;
+    `device_bounds` the same on the inputs' device. Queries and keys [tokens, key_heads, K] are
+    L2-normalized inside; values [tokens, value_heads, V], decays (log space, fp32) and betas
+    [tokens, value_heads]. Returns the outputs [tokens, value_heads, V] and each prompt's final state
+    [prompts, value_heads, K, V] (fp32).
+
+    flash-linear-attention's chunked kernels on CUDA (the ones transformers' layer calls, given the
+    packing); transformers' PyTorch version prompt by prompt elsewhere."""
+    if query.is_cuda and _flash_linear_attention() is not None:
+        out, states = _flash_linear_attention()(
+            query[None], key[None], value[None], g=decay[None], beta=beta[None], output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=device_bounds, cu_seqlens_cpu=bounds)
+        return out[0], states
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    outputs, states = [], []
+    for start, end in zip(bounds.tolist(), bounds.tolist()[1:]):
+        prompt = slice(start, end)
+        out, state = torch_chunk_gated_delta_rule(
+            query[None, prompt], key[None, prompt], value[None, prompt], g=decay[None, prompt],
+            beta=beta[None, prompt], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outputs.append(out[0])
+        states.append(state)
+    return torch.cat(outputs), torch.cat(states)
+
+
+@functools.cache
+def _flash_linear_attention():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
 
 
 def gated_delta_step(qkv: torch.Tensor, projection: torch.Tensor, beta_column: int, decay_column: int,
@@ -103,19 +161,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def attention_inputs(projection: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_norm: torch.Tensor,
                      k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_scaling: float,
-                     rope_positions: torch.Tensor, columns: torch.Tensor, keys: torch.Tensor,
+                     rope_positions: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor) -> torch.Tensor:
     """The full-attention layer's queries [n, heads, head_dim], ready: RMS-normalized per head (q_norm,
     k_norm fp32, the model's 1 + w), rotary embedding over the first 2 * len(inv_freq) dimensions at
-    `rope_positions`. The new keys and values are written into `keys` / `values` [slots, kv_heads,
-    columns, head_dim] at each sequence's column `columns[i]`.
+    `rope_positions`. Row i's new key and value are written into `keys` / `values` [slots, kv_heads,
+    columns, head_dim] at slot `slots[i]`, column `columns[i]`.
 
     `projection` [n, heads * 2 * head_dim + 2 * kv_heads * head_dim]: per head a query then its output
     gate (the model's q_proj layout), then keys, then values."""
     kernels = _kernels_for(projection)
     if kernels is not None:
         return kernels.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
-                                        rope_scaling, rope_positions, columns, keys, values)
+                                        rope_scaling, rope_positions, slots, columns, keys, values)
     n = projection.shape[0]
     query_gate, key, value = projection.split([heads * 2 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     query = query_gate.reshape(n, heads, 2 * head_dim)[..., :head_dim]
@@ -135,9 +193,8 @@ def attention_inputs(projection: torch.Tensor, heads: int, kv_heads: int, head_d
         return torch.cat([part * cos + torch.cat([-second, first], dim=-1) * sin, rest], dim=-1)
 
     query = rotated(normed(query, q_norm))
-    rows = torch.arange(n, device=projection.device)
-    keys[rows, :, columns] = rotated(normed(key.reshape(n, kv_heads, head_dim), k_norm))
-    values[rows, :, columns] = value.reshape(n, kv_heads, head_dim)
+    keys[slots, :, columns] = rotated(normed(key.reshape(n, kv_heads, head_dim), k_norm))
+    values[slots, :, columns] = value.reshape(n, kv_heads, head_dim)
     return query
 
 

@@ -1,5 +1,5 @@
-"""Each Triton kernel of the fused decode step against its PyTorch version in app.engine.decode_ops, on
-the CPU. Run by tests/test_fused_decode.py with TRITON_INTERPRET=1 (Triton's interpreter), which must be
+"""Each Triton kernel of the fused decode step against its PyTorch version in app.engine.text_ops, on
+the CPU. Run by tests/test_fused_text.py with TRITON_INTERPRET=1 (Triton's interpreter), which must be
 set before Triton is imported; on a GPU machine it also runs as is on CUDA tensors."""
 
 import os
@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.engine import decode_ops, decode_triton  # noqa: E402
+from app.engine import text_ops, text_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 
@@ -29,8 +29,8 @@ def main() -> None:
     # Widths off the block sizes, so that masks matter.
     x, residual, weight = random(n, 48), random(n, 48), 1 + random(48)
     for given in (None, residual):
-        ours = decode_triton.add_rms_norm(x, given, weight, 1e-6)
-        reference = decode_ops.add_rms_norm(x, given, weight, 1e-6)
+        ours = text_kernels.add_rms_norm(x, given, weight, 1e-6)
+        reference = text_ops.add_rms_norm(x, given, weight, 1e-6)
         close(ours[0], reference[0], "add_rms_norm")
         close(ours[1], reference[1], "add_rms_norm residual")
     checked.append("add_rms_norm")
@@ -39,10 +39,18 @@ def main() -> None:
     projection = random(n, channels + 40)  # wider than the convolved channels, as the merged projection is
     state, conv_weight = random(n, channels, width), random(channels, width)
     reference_state = state.clone()
-    close(decode_triton.conv_step(projection, channels, state, conv_weight),
-          decode_ops.conv_step(projection, channels, reference_state, conv_weight), "conv_step")
+    close(text_kernels.conv_step(projection, channels, state, conv_weight),
+          text_ops.conv_step(projection, channels, reference_state, conv_weight), "conv_step")
     close(state, reference_state, "conv_step state")
     checked.append("conv_step")
+
+    # Prompts packed back to back, one shorter than the window.
+    lengths = [5, 2, 40]
+    projection = random(sum(lengths), channels + 40)
+    positions = torch.cat([torch.arange(length) for length in lengths]).to(DEVICE)
+    close(text_kernels.packed_conv(projection, channels, conv_weight, positions),
+          text_ops.packed_conv(projection, channels, conv_weight, lengths, positions), "packed_conv")
+    checked.append("packed_conv")
 
     key_heads, value_heads, k_dim, v_dim = 2, 4, 32, 24  # grouped values, a value width off the block
     qkv = random(n, 2 * key_heads * k_dim + value_heads * v_dim)
@@ -51,34 +59,34 @@ def main() -> None:
     projection[0, 12] = 30.0  # a decay input past softplus' threshold
     state = random(n, value_heads, k_dim, v_dim)
     reference_state = state.clone()
-    close(decode_triton.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, state, key_heads),
-          decode_ops.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, reference_state, key_heads),
+    close(text_kernels.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, state, key_heads),
+          text_ops.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, reference_state, key_heads),
           "gated_delta_step")
     close(state, reference_state, "gated_delta_step state")
     checked.append("gated_delta_step")
 
     attended, projection, norm_weight = random(n, 4 * 24), random(n, 130), random(24)
-    close(decode_triton.gated_rms_norm(attended, projection, 30, norm_weight, 1e-6),
-          decode_ops.gated_rms_norm(attended, projection, 30, norm_weight, 1e-6), "gated_rms_norm")
+    close(text_kernels.gated_rms_norm(attended, projection, 30, norm_weight, 1e-6),
+          text_ops.gated_rms_norm(attended, projection, 30, norm_weight, 1e-6), "gated_rms_norm")
     checked.append("gated_rms_norm")
 
     gate_up = random(n, 2 * 1100)  # more than one block per row
-    close(decode_triton.silu_and_mul(gate_up), decode_ops.silu_and_mul(gate_up), "silu_and_mul")
+    close(text_kernels.silu_and_mul(gate_up), text_ops.silu_and_mul(gate_up), "silu_and_mul")
     checked.append("silu_and_mul")
 
     heads, kv_heads, head_dim = 4, 2, 64
     projection = random(n, heads * 2 * head_dim + 2 * kv_heads * head_dim)
     q_norm, k_norm = 1 + random(head_dim), 1 + random(head_dim)
-    columns = torch.tensor([0, 5, 11], device=DEVICE)
+    slots, columns = torch.tensor([4, 0, 4], device=DEVICE), torch.tensor([0, 5, 11], device=DEVICE)
     rope_positions = torch.tensor([3, 1000, 70000], device=DEVICE)
     for rotary in (16, head_dim):  # partial (4.6) and whole-head (the tiny 4.7) rotary
         inv_freq = 1.0 / (100 ** (torch.arange(0, rotary, 2, device=DEVICE).float() / rotary))
         keys, values = random(5, kv_heads, 12, head_dim), random(5, kv_heads, 12, head_dim)
         reference_keys, reference_values = keys.clone(), values.clone()
-        ours = decode_triton.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, 1e-6, inv_freq,
-                                              1.0, rope_positions, columns, keys, values)
-        reference = decode_ops.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, 1e-6, inv_freq,
-                                                1.0, rope_positions, columns, reference_keys, reference_values)
+        ours = text_kernels.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, 1e-6, inv_freq,
+                                              1.0, rope_positions, slots, columns, keys, values)
+        reference = text_ops.attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, 1e-6, inv_freq,
+                                                1.0, rope_positions, slots, columns, reference_keys, reference_values)
         close(ours, reference, "attention_inputs", atol=1e-4)  # cos and sin of large angles, in two libraries
         close(keys, reference_keys, "attention_inputs keys", atol=1e-4)
         close(values, reference_values, "attention_inputs values")
@@ -90,8 +98,8 @@ def main() -> None:
     query = random(n, heads, head_dim)
     positions = torch.tensor([0, 77, 298], device=DEVICE)
     # On a GPU, Triton's matrix products of fp32 run in TF32.
-    close(decode_triton.attend(query, keys, values, positions, 0.125, projection),
-          decode_ops.attend(query, keys, values, positions, 0.125, projection), "attend",
+    close(text_kernels.attend(query, keys, values, positions, 0.125, projection),
+          text_ops.attend(query, keys, values, positions, 0.125, projection), "attend",
           atol=1e-5 if DEVICE == "cpu" else 1e-2)
     checked.append("attend")
     print(f"checked {len(checked)} kernels on {DEVICE}: {', '.join(checked)}")

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused decode step: each does in one launch what app.engine.decode_ops does in
+"""Triton kernels of the fused text model: each does in one launch what app.engine.text_ops does in
 PyTorch in several (see there for what each computes). Math in fp32, one rounding at the end.
 
 Imported only on CUDA; tests run these kernels on the CPU through Triton's interpreter.
@@ -57,8 +57,38 @@ def conv_step(projection, channels, state, weight):
     n = projection.shape[0]
     out = torch.empty((n, channels), dtype=projection.dtype, device=projection.device)
     block = 256
-    _conv_step_kernel[(n, triton.cdiv(channels, block))](projection, projection.stride(0), state, weight, out, channels,
-                                                         WIDTH=state.shape[-1], BLOCK=block)
+    _conv_step_kernel[(n, triton.cdiv(channels, block))](projection, projection.stride(0), state, weight, out,
+                                                         channels, WIDTH=state.shape[-1], BLOCK=block)
+    return out
+
+
+@triton.jit
+def _packed_conv_kernel(x_ptr, x_row_stride, positions_ptr, weight_ptr, out_ptr, tokens, channels,
+                        WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    channel = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    token_mask = token < tokens
+    channel_mask = channel < channels
+    position = tl.load(positions_ptr + token, mask=token_mask, other=0)
+    total = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for tap in tl.static_range(WIDTH):
+        back = WIDTH - 1 - tap
+        inside = token_mask & (position >= back)  # earlier tokens of the same prompt only
+        x = tl.load(x_ptr + (token - back)[:, None] * x_row_stride + channel[None, :],
+                    mask=inside[:, None] & channel_mask[None, :], other=0.0)
+        weight = tl.load(weight_ptr + channel * WIDTH + tap, mask=channel_mask, other=0.0)
+        total += x.to(tl.float32) * weight.to(tl.float32)[None, :]
+    out = (total * tl.sigmoid(total)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token[:, None] * channels + channel[None, :], out, mask=token_mask[:, None] & channel_mask[None, :])
+
+
+def packed_conv(projection, channels, weight, positions):
+    tokens = projection.shape[0]
+    out = torch.empty((tokens, channels), dtype=projection.dtype, device=projection.device)
+    block_t, block_c = 16, 128
+    _packed_conv_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+        projection, projection.stride(0), positions, weight, out, tokens, channels, WIDTH=weight.shape[1],
+        BLOCK_T=block_t, BLOCK_C=block_c)
     return out
 
 
@@ -87,7 +117,8 @@ def _gated_delta_step_kernel(qkv_ptr, projection_ptr, projection_row_stride, bet
     key = key / tl.sqrt(tl.sum(key * key, axis=0) + 1e-6)
     projection = projection_ptr + row * projection_row_stride
     beta = tl.sigmoid(tl.load(projection + beta_column + value_head).to(tl.float32))
-    raw = tl.load(projection + decay_column + value_head).to(tl.float32) + tl.load(dt_bias_ptr + value_head).to(tl.float32)
+    raw = tl.load(projection + decay_column + value_head).to(tl.float32)
+    raw += tl.load(dt_bias_ptr + value_head).to(tl.float32)
     softplus = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))  # PyTorch's softplus threshold
     decay = -tl.exp(tl.load(a_log_ptr + value_head).to(tl.float32)) * softplus
     state = state_ptr + sequence_head * K * V + k_index[:, None] * V + v_index[None, :]
@@ -124,7 +155,8 @@ def _gated_rms_norm_kernel(x_ptr, projection_ptr, projection_row_stride, gate_co
                    other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * weight
-    tl.store(out_ptr + sequence_head * D + d, (normed * gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed * gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + sequence_head * D + d, out, mask=mask)
 
 
 def gated_rms_norm(x, projection, gate_column, weight, eps):
@@ -157,8 +189,8 @@ def silu_and_mul(gate_up):
 
 @triton.jit
 def _attention_inputs_kernel(projection_ptr, projection_row_stride, q_norm_ptr, k_norm_ptr, eps, inv_freq_ptr,
-                             rope_scaling, rope_positions_ptr, columns_ptr, keys_ptr, values_ptr, cache_slot_stride,
-                             cache_head_stride, query_ptr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                             rope_scaling, rope_positions_ptr, slots_ptr, columns_ptr, keys_ptr, values_ptr,
+                             cache_slot_stride, cache_head_stride, query_ptr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                              D: tl.constexpr, ROTARY: tl.constexpr):
     # One program per (sequence, head): heads [0, HEADS) are queries, the next KV_HEADS keys (with values).
     row = tl.program_id(0).to(tl.int64)
@@ -187,21 +219,21 @@ def _attention_inputs_kernel(projection_ptr, projection_row_stride, q_norm_ptr, 
         tl.store(query_ptr + (row * HEADS + head) * D + d, out.to(query_ptr.dtype.element_ty))
     else:
         column = tl.load(columns_ptr + row)
-        at = row * cache_slot_stride + kv_head * cache_head_stride + column * D + d
+        at = tl.load(slots_ptr + row) * cache_slot_stride + kv_head * cache_head_stride + column * D + d
         tl.store(keys_ptr + at, out.to(keys_ptr.dtype.element_ty))
         value = tl.load(projection + HEADS * 2 * D + KV_HEADS * D + kv_head * D + d)
         tl.store(values_ptr + at, value.to(values_ptr.dtype.element_ty))
 
 
 def attention_inputs(projection, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, rope_scaling,
-                     rope_positions, columns, keys, values):
+                     rope_positions, slots, columns, keys, values):
     n = projection.shape[0]
     if head_dim != triton.next_power_of_2(head_dim):
         raise ValueError(f"head_dim {head_dim} must be a power of two for the fused decode step")
     query = torch.empty((n, heads, head_dim), dtype=projection.dtype, device=projection.device)
     _attention_inputs_kernel[(n, heads + kv_heads)](
-        projection, projection.stride(0), q_norm, k_norm, eps, inv_freq, rope_scaling, rope_positions, columns,
-        keys, values, keys.stride(0), keys.stride(1), query, HEADS=heads, KV_HEADS=kv_heads, D=head_dim,
+        projection, projection.stride(0), q_norm, k_norm, eps, inv_freq, rope_scaling, rope_positions, slots,
+        columns, keys, values, keys.stride(0), keys.stride(1), query, HEADS=heads, KV_HEADS=kv_heads, D=head_dim,
         ROTARY=2 * inv_freq.shape[0])
     return query
 
@@ -245,7 +277,8 @@ def _attention_part_kernel(query_ptr, keys_ptr, values_ptr, positions_ptr, part_
     mask = g < GROUP
     tl.store(part_ptr + where[:, None] * D + d[None, :], out / tl.where(total > 0, total, 1.0)[:, None],
              mask=mask[:, None])
-    tl.store(part_lse_ptr + where, tl.where(total > 0, best + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")), mask=mask)
+    log_total = tl.log(tl.where(total > 0, total, 1.0))
+    tl.store(part_lse_ptr + where, tl.where(total > 0, best + log_total, float("-inf")), mask=mask)
 
 
 @triton.jit

@@ -1,0 +1,271 @@
+"""The text model written out over the slot store with few, fused kernels: its decode step (one new
+token per sequence) and its prefill (prompts packed back to back).
+
+Through transformers' layers a decode step of MiniCPM-V 4.6's text model (Qwen3.5: 18 gated-DeltaNet
+and 6 full-attention layers) is about 1,540 small kernels, 2.4 us each on an H200 even when replayed as a
+CUDA graph: 4.1 ms a step against a 0.36 ms floor. Here a layer is ten kernels (272 a step, 1.17 ms at
+batch 1; benchmarks/RESULTS.md): the projections of a layer are one matrix product (its weights
+concatenated once at load, the modules keeping views into them, so transformers' path still works and
+no memory is added), and everything between the products is one kernel each (app.engine.text_ops).
+Sequences read and write their state in the slot store in place (app.engine.batch_cache), and
+attention reads each sequence's own columns only, split across the GPU (flash-decoding).
+
+A prefill wave packs its prompts back to back instead of left-padding them to one length: the DeltaNet
+layers run flash-linear-attention's chunked kernels over the packed sequences (cu_seqlens), attention
+runs per prompt. Each prompt's result is then what it would be alone (transformers' padded wave is
+not, by a little), and a 32-prompt wave's text half takes half the time.
+
+Used for any checkpoint whose text model is this architecture with plain linear layers; others
+(quantized ones) and MiniCPM-V 4.7's prompts with images (their M-RoPE positions are three channels
+apart) go through transformers' layers.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from app.engine import text_ops
+
+
+_DELTANET_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+_ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def fused_text_model_for(model, store):
+    """A FusedTextModel for `model`'s text model reading `store`, or None where it does not apply."""
+    text = model.model.language_model
+    config = text.config
+    if config.model_type != "qwen3_5_text" or config.hidden_act != "silu":
+        return None
+    if config.rope_parameters.get("rope_type", "default") != "default":
+        return None
+    linears = [model.lm_head]
+    for layer in text.layers:
+        mixer, names = (layer.linear_attn, _DELTANET_LINEARS) if hasattr(layer, "linear_attn") \
+            else (layer.self_attn, _ATTENTION_LINEARS)
+        linears += [getattr(mixer, name, None) for name in names]
+        linears += [getattr(layer.mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    # Quantized layers (GPTQ, AWQ, bitsandbytes) hold no plain weight to concatenate.
+    if any(type(module) is not torch.nn.Linear or module.bias is not None for module in linears):
+        return None
+    if any(layer.self_attn.head_dim & (layer.self_attn.head_dim - 1)
+           for layer in text.layers if hasattr(layer, "self_attn")):
+        return None  # the attention kernel works on power-of-two heads
+    return FusedTextModel(model, store)
+
+
+@torch.no_grad()
+def _merge_weights(*linears: torch.nn.Linear) -> torch.Tensor:
+    """One weight for several linear layers of the same input, the layers keeping views into it."""
+    merged = torch.cat([linear.weight for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(merged[start:start + rows], requires_grad=False)
+        start += rows
+    return merged
+
+
+def _norm_weight(norm) -> torch.Tensor:
+    """The model's zero-centred RMSNorm scale (1 + w) in fp32."""
+    return 1.0 + norm.weight.detach().float()
+
+
+@dataclass
+class _Rows:
+    """Where each row of a forward pass belongs: its slot, its column there (its position in its
+    sequence) and its rotary position. A prefill also has its prompts packed back to back: their
+    lengths, where each starts (`bounds`, then the end: on the CPU and on the device), and the rows of
+    each prompt's last `conv_width` tokens with which of them exist (a shorter prompt has zeros before
+    its first, as the model's convolution state does)."""
+
+    slots: torch.Tensor
+    columns: torch.Tensor
+    rope_positions: torch.Tensor
+    lengths: list[int] | None = None
+    first_slot: int = 0
+    bounds: torch.Tensor | None = None
+    device_bounds: torch.Tensor | None = None
+    tail_rows: torch.Tensor | None = None
+    tail_exists: torch.Tensor | None = None
+
+    @classmethod
+    def packed(cls, lengths: list[int], first_slot: int, conv_width: int, device) -> "_Rows":
+        """A prefill's rows, moved to the device in one copy: a copy from pageable memory per layer
+        would wait for the GPU each time."""
+        bounds = torch.tensor([0, *itertools.accumulate(lengths)])
+        columns = torch.cat([torch.arange(length) for length in lengths])
+        slots = torch.arange(first_slot, first_slot + len(lengths)).repeat_interleave(torch.tensor(lengths))
+        tails = bounds[1:, None] - conv_width + torch.arange(conv_width)
+        exists = tails >= bounds[:-1, None]
+        parts = [columns, slots, bounds, tails.clamp(min=0).flatten(), exists.flatten().long()]
+        host = torch.cat(parts)
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        on_device = host.to(device, non_blocking=True).split([len(part) for part in parts])
+        columns, slots, device_bounds, tail_rows, tail_exists = on_device
+        shape = (len(lengths), conv_width)
+        return cls(slots, columns, columns, lengths, first_slot, bounds, device_bounds, tail_rows.view(shape),
+                   tail_exists.view(shape).bool())
+
+
+class _DeltaNetLayer:
+    def __init__(self, layer):
+        attention = layer.linear_attn
+        self.index = attention.layer_idx
+        self.key_heads = attention.num_k_heads
+        self.value_heads = attention.num_v_heads
+        self.key_dim, self.value_dim = attention.key_dim, attention.value_dim
+        self.channels = attention.conv_dim
+        # [queries, keys, values | output gate | betas | decays]: see text_ops.gated_delta_step.
+        self.in_weight = _merge_weights(attention.in_proj_qkv, attention.in_proj_z, attention.in_proj_b,
+                                        attention.in_proj_a)
+        self.gate_column = self.channels
+        self.beta_column = self.gate_column + attention.value_dim
+        self.decay_column = self.beta_column + attention.num_v_heads
+        self.conv_weight = attention.conv1d.weight.detach()[:, 0]
+        self.a_log = attention.A_log.detach()
+        self.dt_bias = attention.dt_bias.detach()
+        self.norm_weight = attention.norm.weight.detach()
+        self.norm_eps = attention.norm.variance_epsilon
+        self.out_weight = attention.out_proj.weight
+
+    def decode(self, hidden, store, rows: _Rows):
+        n = hidden.shape[0]
+        projection = F.linear(hidden, self.in_weight)
+        qkv = text_ops.conv_step(projection, self.channels, store.conv[self.index][:n], self.conv_weight)
+        attended = text_ops.gated_delta_step(qkv, projection, self.beta_column, self.decay_column, self.a_log,
+                                             self.dt_bias, store.recurrent[self.index][:n], self.key_heads)
+        return self._out(attended, projection)
+
+    def prefill(self, hidden, store, rows: _Rows):
+        projection = F.linear(hidden, self.in_weight)
+        qkv = text_ops.packed_conv(projection, self.channels, self.conv_weight, rows.lengths, rows.columns)
+        tails = (projection[rows.tail_rows, :self.channels] * rows.tail_exists[..., None]).transpose(1, 2)
+        prompts = slice(rows.first_slot, rows.first_slot + len(rows.lengths))
+        store.ensure_layer(store.conv, self.index, tails, columns=False)[prompts] = tails
+        tokens = hidden.shape[0]
+        query, key, value = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = projection[:, self.beta_column:self.beta_column + self.value_heads].sigmoid()
+        decay = -self.a_log.float().exp() * F.softplus(
+            projection[:, self.decay_column:self.decay_column + self.value_heads].float() + self.dt_bias)
+        attended, states = text_ops.chunk_delta_rule(
+            query.reshape(tokens, self.key_heads, -1), key.reshape(tokens, self.key_heads, -1),
+            value.reshape(tokens, self.value_heads, -1), decay, beta, rows.bounds, rows.device_bounds)
+        store.ensure_layer(store.recurrent, self.index, states, columns=False)[prompts] = states
+        return self._out(attended.reshape(tokens, -1), projection)
+
+    def _out(self, attended, projection):
+        gated = text_ops.gated_rms_norm(attended, projection, self.gate_column, self.norm_weight, self.norm_eps)
+        return F.linear(gated, self.out_weight)
+
+
+class _AttentionLayer:
+    def __init__(self, layer, rotary_embedding):
+        attention = layer.self_attn
+        self.index = attention.layer_idx
+        self.heads = attention.config.num_attention_heads
+        self.kv_heads = attention.config.num_key_value_heads
+        self.head_dim = attention.head_dim
+        self.scaling = attention.scaling
+        self.in_weight = _merge_weights(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.q_norm = _norm_weight(attention.q_norm)
+        self.k_norm = _norm_weight(attention.k_norm)
+        self.eps = attention.q_norm.eps
+        self.inv_freq = rotary_embedding.inv_freq.float()
+        self.rope_scaling = float(rotary_embedding.attention_scaling)
+        self.out_weight = attention.o_proj.weight
+
+    def _inputs(self, hidden, rows: _Rows, keys, values):
+        """(the merged projection, the queries); the rows' keys and values are written into the store."""
+        projection = F.linear(hidden, self.in_weight)
+        query = text_ops.attention_inputs(projection, self.heads, self.kv_heads, self.head_dim, self.q_norm,
+                                          self.k_norm, self.eps, self.inv_freq, self.rope_scaling, rows.rope_positions,
+                                          rows.slots, rows.columns, keys, values)
+        return projection, query
+
+    def decode(self, hidden, store, rows: _Rows):
+        keys, values = store.keys[self.index], store.values[self.index]
+        projection, query = self._inputs(hidden, rows, keys, values)
+        attended = text_ops.attend(query, keys, values, rows.columns, self.scaling, projection)
+        return F.linear(attended, self.out_weight)
+
+    def prefill(self, hidden, store, rows: _Rows):
+        like = hidden.new_empty((1, self.kv_heads, 0, self.head_dim))
+        keys = store.ensure_layer(store.keys, self.index, like, columns=True)
+        values = store.ensure_layer(store.values, self.index, like, columns=True)
+        projection, query = self._inputs(hidden, rows, keys, values)
+        group = self.heads // self.kv_heads
+        outputs, start = [], 0
+        for prompt, length in enumerate(rows.lengths):  # causal attention within each prompt
+            slot = rows.first_slot + prompt
+            own = query[start:start + length].transpose(0, 1)[None]
+            attended = F.scaled_dot_product_attention(
+                own, keys[slot, :, :length].repeat_interleave(group, dim=0)[None],
+                values[slot, :, :length].repeat_interleave(group, dim=0)[None], is_causal=True, scale=self.scaling)
+            outputs.append(attended[0].transpose(0, 1).reshape(length, -1))
+            start += length
+        tokens = hidden.shape[0]
+        gate = projection[:, :self.heads * 2 * self.head_dim].reshape(tokens, self.heads, 2, self.head_dim)[:, :, 1]
+        return F.linear(torch.cat(outputs) * torch.sigmoid(gate.reshape(tokens, -1)), self.out_weight)
+
+
+class _MLP:
+    def __init__(self, mlp):
+        self.gate_up_weight = _merge_weights(mlp.gate_proj, mlp.up_proj)
+        self.down_weight = mlp.down_proj.weight
+
+    def __call__(self, hidden):
+        return F.linear(text_ops.silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+
+
+class FusedTextModel:
+    """The text model over the slot store, with the same contracts as BatchRunner's paths through
+    transformers' layers:
+
+    - decode(tokens, positions): next-token logits for slots [0, n), each fed one token at its column
+      `positions[i]`;
+    - prefill(embeddings, lengths, first_slot): prompts' input embeddings packed back to back (no
+      padding), each from a fresh state into slot first_slot + i; each prompt's next-token logits.
+    """
+
+    def __init__(self, model, store):
+        text = model.model.language_model
+        self.store = store
+        self.embed = text.embed_tokens
+        self.lm_head = model.lm_head
+        self.eps = text.config.rms_norm_eps
+        self.layers = []
+        for layer in text.layers:
+            mixer = _DeltaNetLayer(layer) if hasattr(layer, "linear_attn") else _AttentionLayer(layer, text.rotary_emb)
+            self.layers.append((_norm_weight(layer.input_layernorm), mixer, _norm_weight(layer.post_attention_layernorm),
+                                _MLP(layer.mlp)))
+        self.final_norm = _norm_weight(text.norm)
+        self.conv_width = text.config.linear_conv_kernel_dim
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        rows = _Rows(torch.arange(n, device=positions.device), positions, positions + self.store.rope_deltas[:n])
+        hidden, residual = self._layers(self.embed(tokens), rows, prefill=False)
+        return self._logits(hidden, residual)
+
+    def prefill(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int) -> torch.Tensor:
+        rows = _Rows.packed(lengths, first_slot, self.conv_width, embeddings.device)
+        hidden, residual = self._layers(embeddings, rows, prefill=True)
+        last = rows.device_bounds[1:] - 1
+        return self._logits(hidden[last], residual[last])
+
+    def _layers(self, hidden, rows: _Rows, prefill: bool):
+        residual = None
+        for input_norm, mixer, post_norm, mlp in self.layers:
+            normed, residual = text_ops.add_rms_norm(hidden, residual, input_norm, self.eps)
+            hidden = (mixer.prefill if prefill else mixer.decode)(normed, self.store, rows)
+            normed, residual = text_ops.add_rms_norm(hidden, residual, post_norm, self.eps)
+            hidden = mlp(normed)
+        return hidden, residual
+
+    def _logits(self, hidden, residual):
+        normed, _ = text_ops.add_rms_norm(hidden, residual, self.final_norm, self.eps)
+        return self.lm_head(normed)
