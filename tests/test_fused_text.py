@@ -15,6 +15,13 @@ from app.engine.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_ran
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def tiny_model(config: dict, tmp_path):
+    """A tiny random checkpoint of `config`, loaded in fp32 (rounding then hides no mistake)."""
+    folder = str(tmp_path / "checkpoint")
+    build_random_checkpoint(folder, config)
+    return AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 def state_kinds(store) -> tuple[dict, ...]:
     return store.keys, store.values, store.conv, store.recurrent
 
@@ -31,9 +38,7 @@ def restore(store, saved: list[dict]) -> None:
 
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
 def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
-    folder = str(tmp_path / "checkpoint")
-    build_random_checkpoint(folder, config)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    model = tiny_model(config, tmp_path)
     runner = BatchRunner(model)
     assert runner.fused is not None
     store = runner.store
@@ -64,9 +69,7 @@ def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
 
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
 def test_fused_prefill_gives_transformers_logits_and_state(config, tmp_path):
-    folder = str(tmp_path / "checkpoint")
-    build_random_checkpoint(folder, config)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    model = tiny_model(config, tmp_path)
     runner = BatchRunner(model)
     store = runner.store
     vocab = model.config.text_config.vocab_size
@@ -109,9 +112,7 @@ class PackedLinear(torch.nn.Module):  # as GPTQ's and AWQ's are: no nn.Linear, n
                                      lambda mlp: setattr(mlp, "down_proj", PackedLinear(mlp.down_proj))],
                          ids=["subclass", "packed"])
 def test_quantized_layers_decode_through_transformers(replace, tmp_path):
-    folder = str(tmp_path / "checkpoint")
-    build_random_checkpoint(folder, TINY_CONFIG)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    model = tiny_model(TINY_CONFIG, tmp_path)
     replace(model.model.language_model.layers[-1].mlp)
     assert BatchRunner(model).fused is None
 
