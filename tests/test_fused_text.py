@@ -124,3 +124,19 @@ def test_triton_kernels_equal_their_pytorch_versions():
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stdout + run.stderr
     assert "checked 8 kernels" in run.stdout
+
+
+def test_without_runnable_triton_kernels_the_pytorch_operations_run(monkeypatch, caplog):
+    from app.engine import text_kernels, text_ops
+
+    def no_compiler(*args):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(text_kernels, "add_rms_norm", no_compiler)
+    text_ops._triton_ops.cache_clear()
+    try:
+        # Any device: the tiny kernel it tries fails before running.
+        assert text_ops._triton_ops(torch.device("cpu")) is None
+        assert "cannot run here (Failed to find C compiler)" in caplog.text
+    finally:
+        text_ops._triton_ops.cache_clear()

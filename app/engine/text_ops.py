@@ -11,23 +11,31 @@ a row of a merged input projection, read at column offsets.
 """
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
 
 @functools.cache
-def _triton_ops():
-    """The Triton kernels, or None where Triton cannot be imported (the PyTorch versions run then)."""
+def _triton_ops(device: torch.device):
+    """The Triton kernels, or None where they cannot run on `device`: the PyTorch versions run then,
+    slower. Triton compiles a small launcher with the machine's C compiler on first use, so a box
+    without one (or a GPU Triton does not support) fails there: one tiny kernel is tried first."""
     try:
         from app.engine import text_kernels
-    except ImportError:
+
+        text_kernels.add_rms_norm(torch.ones((1, 8), device=device), None, torch.ones(8, device=device), 1e-6)
+    except Exception as error:
+        log.warning("The fused text model's Triton kernels cannot run here (%s); it runs them in PyTorch", error)
         return None
     return text_kernels
 
 
 def _kernels_for(tensor: torch.Tensor):
-    return _triton_ops() if tensor.is_cuda else None
+    return _triton_ops(tensor.device) if tensor.is_cuda else None
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
