@@ -53,16 +53,19 @@ DEFAULT_MAX_BATCH_SIZE = 256  # requests decoded together
 # streaming.
 PREFILL_TOKENS_PER_STEP = _limit("PREFILL_TOKENS_PER_STEP", 16384)
 # Prefill shapes are kept to a few: waves of 1, 2, 4, 8... requests, prompts padded to a multiple of this
-# many tokens. On CUDA the linear-attention layers run Triton kernels that are compiled and tuned for each
-# new shape they meet (seconds each): on an H200 a first crowd of 200 users spent 97% of its time there
-# and got no answer in 18 s. The warm-up compiles every shape the engine can then use.
+# many tokens (through transformers' layers; the fused text model packs prompts unpadded, and the budget
+# above still counts them padded). On CUDA the linear-attention layers run Triton kernels that are
+# compiled and tuned for each new shape they meet (seconds each): on an H200 a first crowd of 200 users
+# spent 97% of its time there and got no answer in 18 s. The warm-up compiles every shape the engine can
+# then use.
 PREFILL_LENGTH_MULTIPLE = 64
 # On CUDA the warm-up reserves the per-request state of a whole batch (--max-batch-size slots) for
 # prompts and replies of up to this many tokens, so that the captured decode step is not captured again
 # as the batch grows (longer ones grow it). About 19 MB + 12 KB per token per slot at the 4.6 shape:
 # 7.9 GB for 256 slots. Attention in the decode step reads every reserved column, so not more.
 RESERVED_COLUMNS = _limit("RESERVED_COLUMNS", 1024)
-# 1: the decode step runs app.engine.fused_text's kernels where the model allows; 0: transformers' layers.
+# 1: the text model runs as app.engine.fused_text writes it (decode step and prefill) where the checkpoint
+# allows; 0: through transformers' layers.
 FUSED_TEXT_MODEL = _limit("FUSED_TEXT_MODEL", 1)
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
