@@ -92,7 +92,7 @@ def chunk_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     flash-linear-attention's chunked kernels on CUDA (the ones transformers' layer calls, given the
     packing); transformers' PyTorch version prompt by prompt elsewhere."""
-    if query.is_cuda and _flash_linear_attention() is not None:
+    if _kernels_for(query) is not None and _flash_linear_attention() is not None:  # it needs Triton too
         out, states = _flash_linear_attention()(
             query[None], key[None], value[None], g=decay[None], beta=beta[None], output_final_state=True,
             use_qk_l2norm_in_kernel=True, cu_seqlens=device_bounds, cu_seqlens_cpu=bounds)
