@@ -220,6 +220,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--grace", type=float, default=60.0)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--image-format", choices=["png", "jpeg"], default="png",
+                        help="the request's image: a noise PNG (5.4 MB, as in RESULTS.md) or the same as a JPEG")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--in-process-engine", action="store_true", help="the engine in this process (as before the split)")
     parser.add_argument("--client-processes", type=int, default=CLIENT_PROCESSES, help="app mode: processes the users' clients run in")
@@ -250,7 +252,7 @@ def main() -> None:
         manager.load()
         manager.warm_up()
 
-    image_path, messages = benchmark_request()
+    image_path, messages = benchmark_request(args.image_format)
     settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
     generation = GenerationSettings(**settings)
 
@@ -278,7 +280,7 @@ def main() -> None:
         "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
         "engine": "process of its own" if config.engine_process else "in-process",
         "web_processes": config.web_processes,
-        "new_tokens": args.new_tokens, "duration_s": args.duration, "levels": [],
+        "new_tokens": args.new_tokens, "image_format": args.image_format, "duration_s": args.duration, "levels": [],
     }
     for users in levels:
         level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None),

@@ -44,14 +44,8 @@ def main() -> None:
     for name, processor in (("as_shipped", AutoProcessor.from_pretrained(folder)), ("app", load_processor(folder, False))):
         prepare = lambda: prepare_inputs(processor, messages, settings, 32768, pixel_dtype=torch.bfloat16)  # noqa: E731
         row[f"{name}_ms"] = round(timed(lambda: None, prepare, args.runs)[0], 1)
-    # The benchmark's noise PNG is the slow case to decode (5.4 MB, no redundancy); the same pixels as a
-    # JPEG, as photos mostly come, for comparison.
-    from PIL import Image
-
-    jpeg = os.path.splitext(image)[0] + ".jpg"
-    with Image.open(image) as png:
-        png.save(jpeg, quality=90)
-    jpeg_messages = [{**messages[0], "content": [{"type": "image", "path": jpeg}, *messages[0]["content"][1:]]}]
+    # The benchmark's noise PNG is the slow case to decode (no redundancy); the same pixels as a JPEG.
+    jpeg, jpeg_messages = benchmark_request("jpeg")
     row["jpeg_mb"] = round(os.path.getsize(jpeg) / 1e6, 2)
     row["decode_jpeg_ms"] = round(timed(lambda: None, lambda: load_image(jpeg), args.runs)[0], 1)
     processor = load_processor(folder, False)
