@@ -148,9 +148,8 @@ class _DeltaNetLayer:
         store.ensure_layer(store.conv, self.index, tails, columns=False)[prompts] = tails
         tokens = hidden.shape[0]
         query, key, value = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = projection[:, self.beta_column:self.beta_column + self.value_heads].sigmoid()
-        decay = -self.a_log.float().exp() * F.softplus(
-            projection[:, self.decay_column:self.decay_column + self.value_heads].float() + self.dt_bias)
+        beta, decay = text_ops.delta_gates(projection, self.beta_column, self.decay_column, self.value_heads,
+                                           self.a_log, self.dt_bias)
         attended, states = text_ops.chunk_delta_rule(
             query.reshape(tokens, self.key_heads, -1), key.reshape(tokens, self.key_heads, -1),
             value.reshape(tokens, self.value_heads, -1), decay, beta, rows.bounds, rows.device_bounds)
@@ -207,9 +206,8 @@ class _AttentionLayer:
                 values[slot, :, :length].repeat_interleave(group, dim=0)[None], is_causal=True, scale=self.scaling)
             outputs.append(attended[0].transpose(0, 1).reshape(length, -1))
             start += length
-        tokens = hidden.shape[0]
-        gate = projection[:, :self.heads * 2 * self.head_dim].reshape(tokens, self.heads, 2, self.head_dim)[:, :, 1]
-        return F.linear(torch.cat(outputs) * torch.sigmoid(gate.reshape(tokens, -1)), self.out_weight)
+        return F.linear(text_ops.output_gated(torch.cat(outputs), projection, self.heads, self.head_dim),
+                        self.out_weight)
 
 
 class _MLP:

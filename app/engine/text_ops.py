@@ -100,7 +100,8 @@ def chunk_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     outputs, states = [], []
-    for start, end in zip(bounds.tolist(), bounds.tolist()[1:]):
+    starts = bounds.tolist()
+    for start, end in zip(starts, starts[1:]):
         prompt = slice(start, end)
         out, state = torch_chunk_gated_delta_rule(
             query[None, prompt], key[None, prompt], value[None, prompt], g=decay[None, prompt],
@@ -119,6 +120,15 @@ def _flash_linear_attention():
     return chunk_gated_delta_rule
 
 
+def delta_gates(projection: torch.Tensor, beta_column: int, decay_column: int, value_heads: int,
+                a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule's betas (in the projection's dtype) and decays (log space, fp32) [rows,
+    value_heads] from their raw inputs, `projection` columns from beta_column and decay_column."""
+    beta = projection[:, beta_column:beta_column + value_heads].sigmoid()
+    decay = -a_log.float().exp() * F.softplus(projection[:, decay_column:decay_column + value_heads].float() + dt_bias)
+    return beta, decay
+
+
 def gated_delta_step(qkv: torch.Tensor, projection: torch.Tensor, beta_column: int, decay_column: int,
                      a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, key_heads: int) -> torch.Tensor:
     """One token of the gated delta rule. `qkv` [n, 2 * key_heads * K + value_heads * V] (queries, keys,
@@ -134,8 +144,8 @@ def gated_delta_step(qkv: torch.Tensor, projection: torch.Tensor, beta_column: i
                   for t in (query, key))
     query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6) / k_dim ** 0.5
     key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
-    beta = projection[:, beta_column:beta_column + value_heads].sigmoid().float()
-    decay = -a_log.float().exp() * F.softplus(projection[:, decay_column:decay_column + value_heads].float() + dt_bias)
+    beta, decay = delta_gates(projection, beta_column, decay_column, value_heads, a_log, dt_bias)
+    beta = beta.float()
     updated = state * decay.exp()[..., None, None]
     remembered = (updated * key[..., None]).sum(dim=-2)
     delta = (value.reshape(n, value_heads, v_dim).float() - remembered) * beta[..., None]
@@ -221,5 +231,13 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positi
     grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
     attended = F.scaled_dot_product_attention(grouped, keys[:n], values[:n], attn_mask=visible[:, None, None, :],
                                               scale=scale).reshape(n, heads * head_dim)
-    gate = projection[:, :heads * 2 * head_dim].reshape(n, heads, 2 * head_dim)[..., head_dim:]
-    return attended * torch.sigmoid(gate.reshape(n, heads * head_dim))
+    return output_gated(attended, projection, heads, head_dim)
+
+
+def output_gated(attended: torch.Tensor, projection: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Attention output [rows, heads * head_dim] times the sigmoid of each head's output gate (in
+    `projection`, after the head's query: see attention_inputs). In PyTorch everywhere: on CUDA the
+    decode step's attend does it inside its kernel."""
+    rows = attended.shape[0]
+    gate = projection[:, :heads * 2 * head_dim].reshape(rows, heads, 2 * head_dim)[..., head_dim:]
+    return attended * torch.sigmoid(gate.reshape(rows, heads * head_dim))
