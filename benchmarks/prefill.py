@@ -2,9 +2,10 @@
 
 At 50-200 users the scheduler spends most of its time prefilling newcomers (benchmarks/RESULTS.md), so
 this times the two halves of a wave exactly as the scheduler runs them (BatchRunner.encode_media, then
-BatchRunner.prefill; the fused text model's prefill against transformers' layers too, with their next
-tokens compared) for waves of --rows requests of the benchmark's 1344x1344 image, and lists the GPU
-kernels of the smallest and the largest wave (their busy time against the wave's: launch-bound or not).
+BatchRunner.prefill; the fused vision tower and text model against transformers' modules too, with
+their features and next tokens compared) for waves of --rows requests of the benchmark's 1344x1344
+image, and lists the GPU kernels of the smallest and the largest wave (their busy time against the
+wave's: launch-bound or not).
 Random weights at the real 4.6 shape; run on a GPU machine:
 
     python benchmarks/prefill.py --rows 1 4 16 --json prefill.json
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import AppConfig  # noqa: E402
 from app.engine.manager import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
+from app.engine.vision_tower import tune_vision_tower  # noqa: E402
 from benchmarks.decode_step import kernel_profile  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
@@ -65,6 +67,17 @@ def main() -> None:
     def vision(rows):
         return runner.encode_media([(prepared.tensors, mode)] * rows)
 
+    fused_vision = runner.fused_vision
+    if fused_vision is not None:
+        tune_vision_tower(runner.model)  # transformers' modules as the runner tunes them when it does not fuse
+
+    def vision_through_transformers(rows):
+        runner.fused_vision = None
+        try:
+            return vision(rows)
+        finally:
+            runner.fused_vision = fused_vision
+
     def prompts(features):
         return [(prepared.tensors["input_ids"], feature, prepared.canvas) for feature in features]
 
@@ -85,6 +98,11 @@ def main() -> None:
             text_ms, logits = timed(synchronize, lambda: text(rows, features), args.runs)
             wave = {"rows": rows, "vision_ms": round(vision_ms, 1), "text_ms": round(text_ms, 1),
                     "per_request_ms": round((vision_ms + text_ms) / rows, 1)}
+            if fused_vision is not None:  # the fused vision tower against transformers' modules
+                theirs_ms, theirs = timed(synchronize, lambda: vision_through_transformers(rows), args.runs)
+                difference = max(float((ours.float() - reference.float()).abs().max()) for ours, reference in zip(features, theirs))
+                wave.update(vision_ms_through_transformers=round(theirs_ms, 1), max_abs_feature_diff=difference,
+                            max_abs_feature=float(theirs[0].float().abs().max()))
             if runner.fused is not None:  # the fused text model against transformers' layers
                 theirs_ms, theirs = timed(synchronize, lambda: text_through_transformers(rows, features), args.runs)
                 wave.update(text_ms_through_transformers=round(theirs_ms, 1),

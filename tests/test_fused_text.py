@@ -119,11 +119,11 @@ def test_quantized_layers_decode_through_transformers(replace, tmp_path):
 
 def test_triton_kernels_equal_their_pytorch_versions():
     pytest.importorskip("triton")
-    script = os.path.join(ROOT, "tests", "text_kernels_check.py")
+    script = os.path.join(ROOT, "tests", "kernels_check.py")
     run = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 8 kernels" in run.stdout
+    assert "checked 10 kernels" in run.stdout
 
 
 def test_without_runnable_triton_kernels_the_pytorch_operations_run(monkeypatch, caplog):
@@ -133,10 +133,10 @@ def test_without_runnable_triton_kernels_the_pytorch_operations_run(monkeypatch,
         raise RuntimeError("Failed to find C compiler")
 
     monkeypatch.setattr(text_kernels, "add_rms_norm", no_compiler)
-    text_ops._triton_ops.cache_clear()
+    text_ops.triton_kernels.cache_clear()
     try:
         # Any device: the tiny kernel it tries fails before running.
-        assert text_ops._triton_ops(torch.device("cpu")) is None
+        assert text_ops.triton_kernels(torch.device("cpu")) is None
         assert "cannot run here (Failed to find C compiler)" in caplog.text
     finally:
-        text_ops._triton_ops.cache_clear()
+        text_ops.triton_kernels.cache_clear()

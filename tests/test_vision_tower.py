@@ -5,6 +5,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from app import limits
 from app.engine import vision_tower
 from app.engine.batch_runner import BatchRunner
 from app.engine.inputs import load_processor, prepare_inputs
@@ -72,15 +73,22 @@ def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
                 assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers' modules"])
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
-def test_tuned_tower_gives_the_models_own_features(config, tmp_path):
+def test_tower_gives_the_models_own_features(config, fused, tmp_path, monkeypatch):
     """Images of three sizes (slices of several sizes side by side) in both downsample modes, and a video:
-    the tuned tower (grouped attention, precomputed layout, one-pass merger) against the model as shipped."""
+    the fused tower (app.engine.fused_vision), and transformers' modules as app.engine.vision_tower tunes
+    them (grouped attention, precomputed layout, one-pass merger), against the model as shipped. In float64,
+    so that only a difference in the computation shows (in float32 the fused tower's matrix products,
+    merged and with the position embeddings as their C input, round differently: up to 1.3e-5 at
+    features up to 20)."""
+    monkeypatch.setattr(limits, "FUSED_VISION_TOWER", int(fused))
     folder = str(tmp_path / "checkpoint")
     build_random_checkpoint(folder, config)
     processor = AutoProcessor.from_pretrained(folder)
-    as_shipped = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval()
-    runner = BatchRunner(AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval())
+    as_shipped = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval().double()
+    runner = BatchRunner(AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval().double())
+    assert (runner.fused_vision is not None) == fused
     images = [make_image(tmp_path, f"{i}.png", size, (40 * i, 90, 200 - 40 * i))
               for i, size in enumerate([(1344, 1344), (700, 300), (180, 900)])]
     video = make_video(tmp_path, seconds=3, fps=4)
@@ -98,4 +106,16 @@ def test_tuned_tower_gives_the_models_own_features(config, tmp_path):
                                                                   downsample_mode=mode)
                 else:
                     shipped = as_shipped.model.get_image_features(t["pixel_values"], t["target_sizes"], downsample_mode=mode)
-                torch.testing.assert_close(features, torch.cat(shipped.pooler_output), rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(features, torch.cat(shipped.pooler_output), rtol=1e-10, atol=1e-10)
+
+
+def test_a_quantized_tower_keeps_transformers_modules(tmp_path):
+    """A vision linear layer that is not a plain nn.Linear (as bitsandbytes', GPTQ's) holds no weight to
+    merge: the runner keeps transformers' modules, tuned."""
+    from tests.test_fused_text import LinearSubclass, tiny_model
+
+    model = tiny_model(TINY_CONFIG, tmp_path)
+    model.model.vision_tower.encoder.layers[-1].mlp.fc2.__class__ = LinearSubclass
+    runner = BatchRunner(model)
+    assert runner.fused_vision is None
+    assert model.model.vision_tower.config._attn_implementation == vision_tower.NAME

@@ -15,6 +15,7 @@ import torch
 from app import limits
 from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
 from app.engine.fused_text import fused_text_model_for
+from app.engine.fused_vision import fused_vision_tower_for
 from app.engine.vision_tower import slice_layout, tune_vision_tower
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,9 @@ class BatchRunner:
             use_cuda_graphs = self.device.type == "cuda"
         self.graphs = _DecodeGraphs(self) if use_cuda_graphs else None
         self.fused = fused_text_model_for(model, self.store) if limits.FUSED_TEXT_MODEL else None
-        tune_vision_tower(model)
+        self.fused_vision = fused_vision_tower_for(model) if limits.FUSED_VISION_TOWER else None
+        if self.fused_vision is None:
+            tune_vision_tower(model)
 
     # Media ---------------------------------------------------------------------------------------
 
@@ -70,25 +73,30 @@ class BatchRunner:
         by_mode: dict[str, list[int]] = {}
         for index, (tensors, mode) in enumerate(batch):
             if tensors.get("pixel_values_videos") is not None:
-                frames, sizes = tensors["pixel_values_videos"], tensors["target_sizes_videos"]
-                # The model repeats the sizes per frame the same way before its tower.
-                layout = slice_layout(self.model, sizes.repeat(frames.shape[0], 1))
-                output = self.model.model.get_video_features(frames.to(self.device), sizes, downsample_mode=mode, **layout)
-                features[index] = torch.cat(output.pooler_output)
+                # Frames packed one after another, as the model's get_video_features packs them.
+                frames = tensors["pixel_values_videos"].to(self.device)
+                sizes = tensors["target_sizes_videos"].repeat(frames.shape[0], 1)
+                features[index] = torch.cat(self._slice_features(frames.permute(1, 2, 0, 3).flatten(2), sizes, mode))
             elif tensors.get("pixel_values") is not None:
                 by_mode.setdefault(mode, []).append(index)
         for mode, indices in by_mode.items():
             # Joined on the GPU: a wave's pixels are hundreds of MB, too many to copy once more on the CPU.
-            pixels = torch.cat([batch[i][0]["pixel_values"].to(self.device, non_blocking=True) for i in indices], dim=-1)
+            pixels = torch.cat([batch[i][0]["pixel_values"][0].to(self.device, non_blocking=True) for i in indices], dim=-1)
             sizes = [batch[i][0]["target_sizes"] for i in indices]
-            # Sizes stay on the CPU: the model reads them slice by slice, and each read from the GPU waits for it.
-            all_sizes = torch.cat(sizes)
-            output = self.model.model.get_image_features(pixels, all_sizes, downsample_mode=mode,
-                                                         **slice_layout(self.model, all_sizes))
-            per_image = iter(output.pooler_output)
+            per_slice = iter(self._slice_features(pixels, torch.cat(sizes), mode))
             for index, request_sizes in zip(indices, sizes):
-                features[index] = torch.cat([next(per_image) for _ in range(len(request_sizes))])
+                features[index] = torch.cat([next(per_slice) for _ in range(len(request_sizes))])
         return features
+
+    def _slice_features(self, pixels: torch.Tensor, sizes: torch.Tensor, mode: str) -> list[torch.Tensor]:
+        """Each slice's visual features from slices packed back to back: pixels [channels, patch, tokens *
+        patch] on the device, their patch grids `sizes` [slices, 2] on the CPU (the model reads them
+        slice by slice, and each read from the GPU would wait for it)."""
+        if self.fused_vision is not None:
+            return self.fused_vision.features(pixels, sizes, mode)
+        output = self.model.model.get_image_features(pixels[None], sizes, downsample_mode=mode,
+                                                     **slice_layout(self.model, sizes))
+        return list(output.pooler_output)
 
     # Text ----------------------------------------------------------------------------------------
 

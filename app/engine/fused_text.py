@@ -57,13 +57,13 @@ def fused_text_model_for(model, store):
 
 
 @torch.no_grad()
-def _merge_weights(*linears: torch.nn.Linear) -> torch.Tensor:
-    """One weight for several linear layers of the same input, the layers keeping views into it."""
-    merged = torch.cat([linear.weight for linear in linears])
+def merge_parameters(*linears: torch.nn.Linear, name: str = "weight") -> torch.Tensor:
+    """One weight (or bias: `name`) for several linear layers of the same input, the layers keeping views into it."""
+    merged = torch.cat([getattr(linear, name) for linear in linears])
     start = 0
     for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = torch.nn.Parameter(merged[start:start + rows], requires_grad=False)
+        rows = getattr(linear, name).shape[0]
+        setattr(linear, name, torch.nn.Parameter(merged[start:start + rows], requires_grad=False))
         start += rows
     return merged
 
@@ -120,7 +120,7 @@ class _DeltaNetLayer:
         self.key_dim, self.value_dim = attention.key_dim, attention.value_dim
         self.channels = attention.conv_dim
         # [queries, keys, values | output gate | betas | decays]: see text_ops.gated_delta_step.
-        self.in_weight = _merge_weights(attention.in_proj_qkv, attention.in_proj_z, attention.in_proj_b,
+        self.in_weight = merge_parameters(attention.in_proj_qkv, attention.in_proj_z, attention.in_proj_b,
                                         attention.in_proj_a)
         self.gate_column = self.channels
         self.beta_column = self.gate_column + attention.value_dim
@@ -169,7 +169,7 @@ class _AttentionLayer:
         self.kv_heads = attention.config.num_key_value_heads
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
-        self.in_weight = _merge_weights(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.in_weight = merge_parameters(attention.q_proj, attention.k_proj, attention.v_proj)
         self.q_norm = _norm_weight(attention.q_norm)
         self.k_norm = _norm_weight(attention.k_norm)
         self.eps = attention.q_norm.eps
@@ -212,7 +212,7 @@ class _AttentionLayer:
 
 class _MLP:
     def __init__(self, mlp):
-        self.gate_up_weight = _merge_weights(mlp.gate_proj, mlp.up_proj)
+        self.gate_up_weight = merge_parameters(mlp.gate_proj, mlp.up_proj)
         self.down_weight = mlp.down_proj.weight
 
     def __call__(self, hidden):

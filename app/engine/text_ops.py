@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def _triton_ops(device: torch.device):
+def triton_kernels(device: torch.device):
     """The Triton kernels, or None where they cannot run on `device`: the PyTorch versions run then,
-    slower. Triton compiles a small launcher with the machine's C compiler on first use, so a box
-    without one (or a GPU Triton does not support) fails there: one tiny kernel is tried first."""
+    slower (the fused vision tower's kernels too: app.engine.vision_ops). Triton compiles a small
+    launcher with the machine's C compiler on first use, so a box without one (or a GPU Triton does not
+    support) fails there: one tiny kernel is tried first."""
     try:
         from app.engine import text_kernels
 
@@ -35,7 +36,7 @@ def _triton_ops(device: torch.device):
 
 
 def _kernels_for(tensor: torch.Tensor):
-    return _triton_ops(tensor.device) if tensor.is_cuda else None
+    return triton_kernels(tensor.device) if tensor.is_cuda else None
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

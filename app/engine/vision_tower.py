@@ -96,31 +96,31 @@ def slice_layout(model, target_sizes: torch.Tensor) -> dict:
     sizes = [tuple(size) for size in target_sizes.tolist()]
     counts = torch.tensor([height * width for height, width in sizes])
     window = tower.vit_merger.window_kernel_size[0]
-    orders, ends = zip(*(_window_order(size, window) for size in sizes))
-    window_ends = torch.cat(ends) + _slice_starts(counts, torch.tensor([len(end) for end in ends]))
+    orders, ends = zip(*(slice_window_order(size, window) for size in sizes))
+    window_ends = torch.cat(ends) + slice_starts(counts, torch.tensor([len(end) for end in ends]))
     return {
-        "position_ids": torch.cat([_position_ids(size, tower.embeddings.num_patches_per_side) for size in sizes]),
+        "position_ids": torch.cat([slice_position_ids(size, tower.embeddings.num_patches_per_side) for size in sizes]),
         "max_seqlen": int(counts.max()),
-        "window_index": torch.cat(orders) + _slice_starts(counts, counts),
+        "window_index": torch.cat(orders) + slice_starts(counts, counts),
         "cu_window_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), window_ends.int()]),
     }
 
 
-def _slice_starts(counts: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
+def slice_starts(counts: torch.Tensor, repeats: torch.Tensor) -> torch.Tensor:
     """Where each slice's tokens start in the packed sequence (slices of `counts` tokens), slice i's
     start repeated `repeats[i]` times: what turns per-slice indices into packed ones."""
     return (counts.cumsum(0) - counts).repeat_interleave(repeats)
 
 
 @functools.lru_cache(maxsize=256)
-def _position_ids(size: tuple[int, int], per_side: int) -> torch.Tensor:
+def slice_position_ids(size: tuple[int, int], per_side: int) -> torch.Tensor:
     from transformers.vision_utils import get_vision_nearest_position_ids
 
     return get_vision_nearest_position_ids(torch.tensor([size]), per_side)
 
 
 @functools.lru_cache(maxsize=256)
-def _window_order(size: tuple[int, int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slice_window_order(size: tuple[int, int], window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One slice's token order for the merger's window attention, and where its windows end."""
     from transformers.vision_utils import get_vision_window_index
 
@@ -140,14 +140,14 @@ def merge_slices(merger, hidden_states: torch.Tensor, target_sizes: torch.Tensor
         if any(height % merge_h or width % merge_w for height, width in sizes):
             raise ValueError(f"Patch grids {sizes} must be divisible by merge kernel size {merger.merge_kernel_size}")
         counts = torch.tensor([height * width for height, width in sizes])
-        order = torch.cat([_merge_order(size, merge_h, merge_w) for size in sizes]) + _slice_starts(counts, counts)
+        order = torch.cat([slice_merge_order(size, merge_h, merge_w) for size in sizes]) + slice_starts(counts, counts)
         hidden = mlp(hidden[order.to(hidden.device)].reshape(-1, merge_h * merge_w * hidden.shape[-1]))
         sizes = [(height // merge_h, width // merge_w) for height, width in sizes]
     return list(hidden.split([height * width for height, width in sizes]))
 
 
 @functools.lru_cache(maxsize=256)
-def _merge_order(size: tuple[int, int], merge_h: int, merge_w: int) -> torch.Tensor:
+def slice_merge_order(size: tuple[int, int], merge_h: int, merge_w: int) -> torch.Tensor:
     """One slice's tokens (row-major) reordered so that each merge neighbourhood is consecutive."""
     height, width = size
     grid = torch.arange(height * width).view(height // merge_h, merge_h, width // merge_w, merge_w)

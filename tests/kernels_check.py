@@ -1,15 +1,17 @@
-"""Each Triton kernel of the fused decode step against its PyTorch version in app.engine.text_ops, on
-the CPU. Run by tests/test_fused_text.py with TRITON_INTERPRET=1 (Triton's interpreter), which must be
-set before Triton is imported; on a GPU machine it also runs as is on CUDA tensors."""
+"""Each Triton kernel of the fused text model and the fused vision tower against its PyTorch version in
+app.engine.text_ops and app.engine.vision_ops, on the CPU. Run by tests/test_fused_text.py with
+TRITON_INTERPRET=1 (Triton's interpreter), which must be set before Triton is imported; on a GPU
+machine it also runs as is on CUDA tensors."""
 
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.engine import text_ops, text_kernels  # noqa: E402
+from app.engine import text_kernels, text_ops, vision_kernels, vision_ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 
@@ -102,6 +104,29 @@ def main() -> None:
           text_ops.attend(query, keys, values, positions, 0.125, projection), "attend",
           atol=1e-5 if DEVICE == "cpu" else 1e-2)
     checked.append("attend")
+
+    # The vision tower's: a width off the block size; windows of four tokens, a head size off the block.
+    x, residual, weight, bias = random(n, 40), random(n, 40), random(40), random(40)
+    for given in (None, residual):
+        ours = vision_kernels.add_layer_norm(x, given, weight, bias, 1e-6)
+        reference = vision_ops.add_layer_norm(x, given, weight, bias, 1e-6)
+        close(ours[0], reference[0], "add_layer_norm")
+        close(ours[1], reference[1], "add_layer_norm residual")
+    checked.append("add_layer_norm")
+
+    heads, head_dim = 3, 24
+    for windows in (5, 40):  # one block, part-filled; several blocks
+        qkv = random(4 * windows, 3 * heads * head_dim)
+        close(vision_kernels.window_attention(qkv, heads, 4, 0.2), vision_ops.window_attention(qkv, heads, 4, 0.2),
+              "window_attention", atol=1e-5 if DEVICE == "cpu" else 1e-2)
+    checked.append("window_attention")
+    if DEVICE == "cuda":  # the GELU in cuBLASLt's epilogue is the tanh form the model asks for
+        x, weight, bias = random(300, 64), random(200, 64), random(200)
+        close(vision_ops.linear_gelu_tanh(x, weight, bias),
+              F.gelu(F.linear(x, weight, bias), approximate="tanh"), "linear_gelu_tanh", atol=1e-2)
+        x, weight, bias = x.bfloat16(), weight.bfloat16(), bias.bfloat16()
+        close(vision_ops.linear_gelu_tanh(x, weight, bias).float(),
+              F.gelu(F.linear(x, weight, bias).float(), approximate="tanh"), "linear_gelu_tanh bf16", atol=0.1)
     print(f"checked {len(checked)} kernels on {DEVICE}: {', '.join(checked)}")
 
 
