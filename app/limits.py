@@ -70,6 +70,7 @@ FUSED_TEXT_MODEL = _limit("FUSED_TEXT_MODEL", 1)
 # 1: the vision tower runs as app.engine.fused_vision writes it where the checkpoint allows; 0: through
 # transformers' modules (tuned by app.engine.vision_tower).
 FUSED_VISION_TOWER = _limit("FUSED_VISION_TOWER", 1)
+STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels copied to the GPU ahead of their wave
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start

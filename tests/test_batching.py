@@ -73,6 +73,18 @@ def test_greedy_reply_is_the_same_alone_and_in_a_batch(manager, tmp_path):
     assert manager.metrics.decode_steps - steps_before < 2 * 39
 
 
+def test_a_running_reply_holds_no_pixels(manager, tmp_path):
+    """Once a request's features are computed its pixels go (12 MB for one 1344x1344 image, kept
+    through the whole reply before), images and video alike."""
+    for messages in (user("What is this?", ("image", make_image(tmp_path, "a.png", (700, 500)))),
+                     user("What happens?", ("video", make_video(tmp_path, seconds=2)))):
+        ended = threading.Event()
+        request = manager.start(messages, greedy(3), lambda kind, value: kind == "end" and ended.set(), time.perf_counter())
+        assert ended.wait(60)
+        assert request.prepared.visual_tokens > 0
+        assert all(request.prepared.tensors.get(key) is None for key in ("pixel_values", "pixel_values_videos"))
+
+
 def test_stopping_one_request_mid_batch_leaves_the_others_unchanged(manager, tmp_path, monkeypatch):
     conversations = {name: user(f"Long answer number {name}, please.",
                                 ("image", make_image(tmp_path, f"{name}.png", (200 + 100 * i, 300), (40 * i, 90, 200))))

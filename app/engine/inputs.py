@@ -26,6 +26,12 @@ class PreparedInputs:
     def visual_tokens(self) -> int:
         return sum(self.image_tokens) + self.video_tokens
 
+    def drop_pixels(self) -> None:
+        """Let the pixels go once their features are computed: a running reply holds on to its prompt only."""
+        for key in PIXEL_KEYS:
+            if key in self.tensors:
+                self.tensors[key] = None
+
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 

@@ -335,6 +335,9 @@ class ModelManager:
         prepared = self.preparer.prepare(messages, settings, self.max_context_tokens)
         # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
         prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
+        runner = self.scheduler.runner
+        if runner is not None:  # None while a model is switched: the request is prepared again for the next
+            runner.stage_media(prepared.tensors)
         return prepared
 
     def start(self, messages: list[dict], settings: GenerationSettings, emit: Callable[[str, object], None],

@@ -215,6 +215,8 @@ class Scheduler:
             return
         try:
             features = self.runner.encode_media([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted])
+            for request in admitted:
+                request.prepared.drop_pixels()
             columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
             prompts = [(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, features)]
             logits = self.runner.prefill(prompts, len(self._running), columns)
