@@ -10,8 +10,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, width, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def add_norm_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, width, eps,
+                    HAS_RESIDUAL: tl.constexpr, LAYER_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's residual add, then RMSNorm, or LayerNorm with a bias (LAYER_NORM: app.engine.vision_kernels)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -21,18 +22,28 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * width + cols, x, mask=mask)
     hidden = x.to(tl.float32)
-    inverse_rms = tl.rsqrt(tl.sum(hidden * hidden, axis=0) / width + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * width + cols, (hidden * inverse_rms * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    if LAYER_NORM:
+        hidden = tl.where(mask, hidden - tl.sum(hidden, axis=0) / width, 0.0)
+    normed = hidden * tl.rsqrt(tl.sum(hidden * hidden, axis=0) / width + eps)
+    normed *= tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if LAYER_NORM:
+        normed += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_norm(x, residual, weight, bias, eps):
+    """add_norm_kernel over the rows of x: (normed, the new residual); a LayerNorm when `bias` is given."""
+    rows, width = x.shape
+    normed = torch.empty_like(x)
+    new_residual = x if residual is None else torch.empty_like(x)
+    add_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, bias if bias is not None else weight,
+                             normed, new_residual, width, eps, HAS_RESIDUAL=residual is not None,
+                             LAYER_NORM=bias is not None, BLOCK=triton.next_power_of_2(width))
+    return normed, new_residual
 
 
 def add_rms_norm(x, residual, weight, eps):
-    n, width = x.shape
-    normed = torch.empty_like(x)
-    new_residual = x if residual is None else torch.empty_like(x)
-    _add_rms_norm_kernel[(n,)](x, residual if residual is not None else x, weight, normed, new_residual, width, eps,
-                               HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(width))
-    return normed, new_residual
+    return add_norm(x, residual, weight, None, eps)
 
 
 @triton.jit

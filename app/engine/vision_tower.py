@@ -1,4 +1,6 @@
-"""How the vision tower runs: one attention call per run of equal-size slices, and no work slice by slice.
+"""transformers' vision tower, tuned: one attention call per run of equal-size slices, and no work slice
+by slice. Used where app.engine.fused_vision does not apply (a quantized tower) or is turned off; the
+slices' layout helpers here serve both.
 
 MiniCPM-V packs every slice of every image into one sequence. Without flash-attention, transformers
 splits it and calls SDPA once per slice and layer: 270 calls for one 1344x1344 image, launch-bound on
