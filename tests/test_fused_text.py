@@ -140,3 +140,15 @@ def test_without_runnable_triton_kernels_the_pytorch_operations_run(monkeypatch,
         assert "cannot run here (Failed to find C compiler)" in caplog.text
     finally:
         text_ops.triton_kernels.cache_clear()
+
+
+def test_gpus_older_than_ampere_run_the_pytorch_operations(monkeypatch, caplog):
+    from app.engine import text_ops
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    text_ops.triton_kernels.cache_clear()
+    try:
+        assert text_ops.triton_kernels(torch.device("cuda", 0)) is None
+        assert "compute capability 8.0 or newer" in caplog.text
+    finally:
+        text_ops.triton_kernels.cache_clear()

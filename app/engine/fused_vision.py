@@ -67,7 +67,8 @@ def _attend_slices(qkv: torch.Tensor, runs: list[tuple[int, int]], heads: int, s
         rows = qkv[start:start + length * count].view(count, length, 3, heads, hidden // heads)
         query, key, value = (rows[:, :, part].transpose(1, 2) for part in range(3))
         if qkv.is_cuda and count >= CUDNN_FROM_SLICES:
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                              SDPBackend.MATH], set_priority=True):  # the first this GPU runs
                 attended = F.scaled_dot_product_attention(query, key, value, scale=scale)
         else:
             attended = F.scaled_dot_product_attention(query, key, value, scale=scale)

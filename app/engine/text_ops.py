@@ -24,7 +24,12 @@ def triton_kernels(device: torch.device):
     """The Triton kernels, or None where they cannot run on `device`: the PyTorch versions run then,
     slower (the fused vision tower's kernels too: app.engine.vision_ops). Triton compiles a small
     launcher with the machine's C compiler on first use, so a box without one (or a GPU Triton does not
-    support) fails there: one tiny kernel is tried first."""
+    support) fails there: one tiny kernel is tried first. The attention kernels' 16-bit matrix products
+    need an Ampere GPU or newer (compute capability 8.0; they were measured on an H200)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        log.warning("The fused models' Triton kernels need a GPU of compute capability 8.0 or newer; "
+                    "they run in PyTorch on this one")
+        return None
     try:
         from app.engine import text_kernels
 
