@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from app.engine import vision_ops
 from app.engine.fused_text import merge_parameters
-from app.engine.vision_tower import (MAX_GRID_ROWS, slice_merge_order, slice_position_ids, slice_starts,
+from app.engine.vision_tower import (equal_runs, slice_merge_order, slice_position_ids, slice_starts,
                                      slice_window_order)
 
 
@@ -75,18 +75,6 @@ def _attend_slices(qkv: torch.Tensor, runs: list[tuple[int, int]], heads: int, s
         outputs.append(attended.transpose(1, 2).reshape(length * count, hidden))
         start += length * count
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-
-def _runs(lengths: list[int], heads: int) -> list[tuple[int, int]]:
-    """(length, count) of consecutive equal lengths, a run at most what one SDPA call's grid holds."""
-    most = max(1, MAX_GRID_ROWS // heads)
-    runs = []
-    for length in lengths:
-        if runs and runs[-1][0] == length and runs[-1][1] < most:
-            runs[-1] = (length, runs[-1][1] + 1)
-        else:
-            runs.append((length, 1))
-    return runs
 
 
 class _Attention:
@@ -209,13 +197,13 @@ class FusedVisionTower:
             return slice_starts(counts, counts)
 
         parts = [torch.cat([slice_position_ids(size, self.per_side) for size in sizes])]
-        runs = _runs([height * width for height, width in sizes], self.heads)
+        runs = equal_runs([height * width for height, width in sizes], self.heads)
         merged_runs = runs
         if merging:
             divisible(sizes, self.window_size, "window kernel size")
             parts.append(torch.cat([slice_window_order(size, self.window_size[0])[0] for size in sizes]) + starts(sizes))
             sizes = [(height // self.window_size[0], width // self.window_size[1]) for height, width in sizes]
-            merged_runs = _runs([height * width for height, width in sizes], self.heads)
+            merged_runs = equal_runs([height * width for height, width in sizes], self.heads)
         kernel = tuple(self.merger.merge_kernel_size)
         for _ in self.merger.mlp:
             divisible(sizes, kernel, "merge kernel size")

@@ -34,14 +34,9 @@ def grouped_varlen_attention(module, query, key, value, attention_mask=None, sca
     [batch, length, heads, dim]: runs taken as views of that layout copy nothing, where reshaping the
     [1, heads, tokens, dim] views copied query, key, value and output in every layer.
     """
-    lengths = _segment_lengths(cu_seq_lens_q)
     heads, dim = query.shape[1], query.shape[3]
-    most = max(1, MAX_GRID_ROWS // heads)
-    outputs, start, index = [], 0, 0
-    while index < len(lengths):
-        length, count = lengths[index], 1
-        while index + count < len(lengths) and count < most and lengths[index + count] == length:
-            count += 1
+    outputs, start = [], 0
+    for length, count in equal_runs(_segment_lengths(cu_seq_lens_q), heads):
         end = start + length * count
 
         def run(tensor):  # [1, heads, tokens, dim] -> [count, heads, length, dim], a view when the layout allows
@@ -49,8 +44,21 @@ def grouped_varlen_attention(module, query, key, value, attention_mask=None, sca
 
         out = scaled_dot_product_attention(run(query), run(key), run(value), scale=scaling)
         outputs.append(out.transpose(1, 2).reshape(count * length, heads, dim))
-        start, index = end, index + count
+        start = end
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None], None
+
+
+def equal_runs(lengths: list[int], heads: int) -> list[tuple[int, int]]:
+    """(length, count) of consecutive equal segment lengths: what one SDPA call takes as a batch, at
+    most MAX_GRID_ROWS // heads segments."""
+    most = max(1, MAX_GRID_ROWS // heads)
+    runs = []
+    for length in lengths:
+        if runs and runs[-1][0] == length and runs[-1][1] < most:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    return runs
 
 
 _last_bounds = (None, [])  # (cu_seqlens tensor, its segment lengths): every layer gets the same tensor
