@@ -44,6 +44,11 @@ def _kernels_for(tensor: torch.Tensor):
     return triton_kernels(tensor.device) if tensor.is_cuda else None
 
 
+def _rms_normalized(hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """`hidden` (fp32) over the root mean square of its last dimension."""
+    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(RMS-normalized residual + x times `weight`, the new residual): the residual stream is kept in
     x's dtype, as the model adds it. `weight` is fp32 and already the model's 1 + w."""
@@ -52,9 +57,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return kernels.add_rms_norm(x, residual, weight, eps)
     if residual is not None:
         x = residual + x
-    hidden = x.float()
-    normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps) * weight
-    return normed.to(x.dtype), x
+    return (_rms_normalized(x.float(), eps) * weight).to(x.dtype), x
 
 
 def conv_step(projection: torch.Tensor, channels: int, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -169,7 +172,7 @@ def gated_rms_norm(x: torch.Tensor, projection: torch.Tensor, gate_column: int, 
         return kernels.gated_rms_norm(x, projection, gate_column, weight, eps)
     n, width = x.shape
     heads = x.reshape(n, -1, weight.shape[0]).float()
-    normed = (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    normed = _rms_normalized(heads, eps).to(x.dtype) * weight
     gate = projection[:, gate_column:gate_column + width].reshape(heads.shape).float()
     return (normed * F.silu(gate)).to(x.dtype).reshape(n, width)
 
@@ -203,8 +206,7 @@ def attention_inputs(projection: torch.Tensor, heads: int, kv_heads: int, head_d
     query = query_gate.reshape(n, heads, 2 * head_dim)[..., :head_dim]
 
     def normed(t, weight):
-        hidden = t.float()
-        return (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps) * weight).to(t.dtype)
+        return (_rms_normalized(t.float(), eps) * weight).to(t.dtype)
 
     freqs = rope_positions[:, None].float() * inv_freq
     cos = (torch.cat([freqs, freqs], dim=-1).cos() * rope_scaling).to(projection.dtype)[:, None]
