@@ -68,6 +68,14 @@ def merge_parameters(*linears: torch.nn.Linear, name: str = "weight") -> torch.T
     return merged
 
 
+def in_one_copy(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """1-D integer tensors of the CPU on `device`, in one pinned copy that does not wait for the GPU."""
+    host = torch.cat(parts)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
+
+
 def _norm_weight(norm) -> torch.Tensor:
     """The model's zero-centred RMSNorm scale (1 + w) in fp32."""
     return 1.0 + norm.weight.detach().float()
@@ -101,11 +109,7 @@ class _Rows:
         tails = bounds[1:, None] - conv_width + torch.arange(conv_width)
         exists = tails >= bounds[:-1, None]
         parts = [columns, slots, bounds, tails.clamp(min=0).flatten(), exists.flatten().long()]
-        host = torch.cat(parts)
-        if torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        on_device = host.to(device, non_blocking=True).split([len(part) for part in parts])
-        columns, slots, device_bounds, tail_rows, tail_exists = on_device
+        columns, slots, device_bounds, tail_rows, tail_exists = in_one_copy(parts, device)
         shape = (len(lengths), conv_width)
         return cls(slots, columns, columns, lengths, first_slot, bounds, device_bounds, tail_rows.view(shape),
                    tail_exists.view(shape).bool())

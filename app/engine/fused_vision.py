@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from app.engine import vision_ops
-from app.engine.fused_text import merge_parameters
+from app.engine.fused_text import in_one_copy, merge_parameters
 from app.engine.vision_tower import (equal_runs, slice_merge_order, slice_position_ids, slice_starts,
                                      slice_window_order)
 
@@ -209,10 +209,7 @@ class FusedVisionTower:
             divisible(sizes, kernel, "merge kernel size")
             parts.append(torch.cat([slice_merge_order(size, *kernel) for size in sizes]) + starts(sizes))
             sizes = [(height // kernel[0], width // kernel[1]) for height, width in sizes]
-        host = torch.cat(parts)
-        if torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        on_device = list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
+        on_device = in_one_copy(parts, device)
         position_ids = on_device.pop(0)
         window_order = on_device.pop(0) if merging else None
         return _Layout(runs, merged_runs, [height * width for height, width in sizes], position_ids, window_order,
