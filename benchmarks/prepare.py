@@ -1,9 +1,9 @@
 """Preparing one request's inputs on one CPU core (`app/engine/inputs.py`), as a preparing worker does it:
 the benchmark's 1344x1344 PNG decoded, sliced (10 slices), cut into patches and cast to bf16, the prompt
-rendered and tokenized. The processor as transformers ships it against the one the app loads (patches
-cut by a reshape), and the app's processor through one worker process (app.engine.preparers, as on a
-GPU box: the hop and the pixels' way back included); the decoding of the PNG alone is timed apart, and
-the same pixels as a JPEG. Only the processor's configuration matters here, so the tiny checkpoint (same
+rendered and tokenized. The processor as transformers ships it (given a PIL image) against the one the
+app loads (patches cut by a reshape, given the decoded tensor), and the app's processor through one
+worker process (app.engine.preparers, as on a GPU box: the hop and the pixels' way back included); the
+decoding of the PNG alone is timed apart (the app's decoder and PIL's), and the same pixels as a JPEG. Only the processor's configuration matters here, so the tiny checkpoint (same
 image and video processors as the real one) stands in:
 
     python benchmarks/prepare.py --runs 9 --json prepare.json
@@ -34,21 +34,25 @@ def main() -> None:
     from app.engine.preparers import ProcessPreparer
     from app.engine.random_checkpoint import ensure_tiny_checkpoint
     from app.engine.settings import GenerationSettings
-    from app.media.images import load_image
+    from app.media.images import load_image, load_image_pixels
 
     torch.set_num_threads(1)  # as in a preparing worker
     folder = ensure_tiny_checkpoint()
     image, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=128)
-    row = {"decode_png_ms": round(timed(lambda: None, lambda: load_image(image), args.runs)[0], 1)}
-    for name, processor in (("as_shipped", AutoProcessor.from_pretrained(folder)), ("app", load_processor(folder, False))):
-        prepare = lambda: prepare_inputs(processor, messages, settings, 32768, pixel_dtype=torch.bfloat16)  # noqa: E731
-        row[f"{name}_ms"] = round(timed(lambda: None, prepare, args.runs)[0], 1)
+    row = {"decode_png_ms": round(timed(lambda: None, lambda: load_image_pixels(image), args.runs)[0], 1),
+           "decode_png_pil_ms": round(timed(lambda: None, lambda: load_image(image), args.runs)[0], 1)}
+    shipped = AutoProcessor.from_pretrained(folder)
+    prompt = shipped.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    as_shipped = lambda: shipped(text=[prompt], images=[[load_image(image)]], return_tensors="pt")  # noqa: E731
+    row["as_shipped_ms"] = round(timed(lambda: None, as_shipped, args.runs)[0], 1)
+    processor = load_processor(folder, False)
+    prepare = lambda: prepare_inputs(processor, messages, settings, 32768, pixel_dtype=torch.bfloat16)  # noqa: E731
+    row["app_ms"] = round(timed(lambda: None, prepare, args.runs)[0], 1)
     # The benchmark's noise PNG is the slow case to decode (no redundancy); the same pixels as a JPEG.
     jpeg, jpeg_messages = benchmark_request("jpeg")
     row["jpeg_mb"] = round(os.path.getsize(jpeg) / 1e6, 2)
-    row["decode_jpeg_ms"] = round(timed(lambda: None, lambda: load_image(jpeg), args.runs)[0], 1)
-    processor = load_processor(folder, False)
+    row["decode_jpeg_ms"] = round(timed(lambda: None, lambda: load_image_pixels(jpeg), args.runs)[0], 1)
     row["app_jpeg_ms"] = round(timed(lambda: None, lambda: prepare_inputs(processor, jpeg_messages, settings, 32768,
                                                                           pixel_dtype=torch.bfloat16), args.runs)[0], 1)
     worker = ProcessPreparer(folder, False, 1, torch.bfloat16)

@@ -7,7 +7,7 @@ from app.chat import THINK_OPEN
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
-from app.media.images import load_image
+from app.media.images import load_image_pixels
 from app.media.video import sample_video
 
 
@@ -106,7 +106,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     if not messages or messages[-1]["role"] != "user":
         raise UserError(limits.MSG_EMPTY_REQUEST)
     _check_text(messages)
-    images: dict[str, object] = {}  # path -> loaded image, kept across trimming attempts
+    images: dict[str, object] = {}  # path -> decoded pixels, kept across trimming attempts
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
     for start in turn_starts:
         prepared = _prepare(processor, messages[start:], settings, images)
@@ -131,18 +131,19 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
 
     for path in image_paths:
         if path not in images:
-            images[path] = load_image(path)
+            images[path] = load_image_pixels(path)
     loaded = [images[path] for path in image_paths]
     notices = []
     processor_kwargs = {}
     plan = None
     if loaded:
-        plan = plan_slices(processor.image_processor, [(image.height, image.width) for image in loaded],
+        plan = plan_slices(processor.image_processor, [tuple(pixels.shape[1:]) for pixels in loaded],
                            settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
         if plan.notice():
             notices.append(plan.notice())
         processor_kwargs["images"] = [loaded]
-        processor_kwargs["images_kwargs"] = {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode}
+        processor_kwargs["images_kwargs"] = {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode,
+                                             "input_data_format": "channels_first"}  # a 3-pixel side reads as channels
     video = None
     if video_paths:
         video = sample_video(video_paths[0], settings.video_fps, settings.video_max_frames)

@@ -1,14 +1,49 @@
 """Loading an uploaded image safely: size checked before decoding, EXIF rotation applied, RGB out."""
 
+import functools
 import os
+import warnings
+from contextlib import contextmanager
 
 from PIL import Image, ImageOps
 
 from app import limits
 from app.errors import UserError
 
+# Decoded by torchvision (libjpeg-turbo, libpng) straight into the tensor the image processor takes:
+# half PIL's time for a 1344x1344 photo, and no PIL image to convert (benchmarks/RESULTS.md).
+_TENSOR_DECODED_FORMATS = ("JPEG", "PNG")
+
 
 def load_image(path: str) -> Image.Image:
+    """The image as an upright RGB PIL image."""
+    with _opened(path) as image:
+        image.load()
+        upright = ImageOps.exif_transpose(image)
+        return upright.convert("RGB")
+
+
+def load_image_pixels(path: str):
+    """The image as an upright RGB uint8 tensor [3, height, width], as load_image's pixels, faster for
+    JPEG and PNG. Other formats, and PNGs of 16 bits a channel, go through PIL."""
+    with _opened(path) as image:
+        image_format = image.format
+    decode = _tensor_decoder()
+    if image_format in _TENSOR_DECODED_FORMATS and decode is not None:
+        try:
+            pixels = decode(path)
+        except RuntimeError as error:  # corrupt or truncated: what PIL reports as OSError
+            raise UserError(limits.MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path))) from error
+        if pixels.dtype.itemsize == 1:
+            return pixels
+    from torchvision.transforms.functional import pil_to_tensor
+
+    return pil_to_tensor(load_image(path))
+
+
+@contextmanager
+def _opened(path: str):
+    """The image, opened (only its header read) and checked; errors become the user's messages."""
     name = os.path.basename(path)
     try:
         with Image.open(path) as image:
@@ -16,12 +51,23 @@ def load_image(path: str) -> Image.Image:
             pixels = image.width * image.height
             if pixels > limits.MAX_IMAGE_PIXELS:
                 raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS))
-            image.load()
-            upright = ImageOps.exif_transpose(image)
-            return upright.convert("RGB")
+            yield image
     except UserError:
         raise
     except Image.DecompressionBombError as error:  # PIL's own guard fires inside open() for the largest ones
         raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS)) from error
     except (OSError, SyntaxError, ValueError) as error:
         raise UserError(limits.MSG_UNREADABLE_IMAGE.format(name=name)) from error
+
+
+@functools.cache
+def _tensor_decoder():
+    """torchvision's decoder as path -> tensor, or None where this torchvision no longer has it (0.29
+    deprecates it for TorchCodec's)."""
+    try:
+        from torchvision.io import ImageReadMode, decode_image, read_file
+    except ImportError:
+        return None
+    warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                            category=DeprecationWarning)
+    return lambda path: decode_image(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)

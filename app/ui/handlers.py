@@ -13,7 +13,7 @@ from app import limits
 from app.chat import history_to_messages, reply_for_display, reply_text, strip_reasoning, user_content
 from app.errors import UserError
 from app.media.files import media_kind
-from app.media.images import load_image
+from app.media.images import load_image_pixels
 from app.media.video import probe_video, sampled_frame_indices
 
 # Order of the settings components that every generating event passes after its own inputs.
@@ -34,7 +34,7 @@ def _path(file) -> str:
 
 def _check_upload(path: str) -> None:
     if media_kind(path) == "image":
-        load_image(path)
+        load_image_pixels(path)
     else:
         probe_video(path)
 
