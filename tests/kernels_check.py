@@ -51,7 +51,7 @@ def main() -> None:
     projection = random(sum(lengths), channels + 40)
     positions = torch.cat([torch.arange(length) for length in lengths]).to(DEVICE)
     close(text_kernels.packed_conv(projection, channels, conv_weight, positions),
-          text_ops.packed_conv(projection, channels, conv_weight, lengths, positions), "packed_conv")
+          text_ops.packed_conv(projection, channels, conv_weight, positions), "packed_conv")
     checked.append("packed_conv")
 
     key_heads, value_heads, k_dim, v_dim = 2, 4, 32, 24  # grouped values, a value width off the block

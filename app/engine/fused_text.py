@@ -84,20 +84,32 @@ def _norm_weight(norm) -> torch.Tensor:
 @dataclass
 class _Rows:
     """Where each row of a forward pass belongs: its slot, its column there (its position in its
-    sequence) and its rotary position. A prefill also has its prompts packed back to back: their
-    lengths, where each starts (`bounds`, then the end: on the CPU and on the device), and the rows of
-    each prompt's last `conv_width` tokens with which of them exist (a shorter prompt has zeros before
-    its first, as the model's convolution state does)."""
+    sequence) and its rotary position. A prefill's prompts also have their slots (`prompt_slots`, on
+    the device), their lengths, the rows of each prompt's last `conv_width` tokens with which of them
+    exist (a shorter prompt has zeros before its first, as the model's convolution state does) and
+    each prompt's last row. Its prompts are laid out in one of two ways:
+
+    - packed back to back (`packed`): `bounds` says where each starts, then the end (on the CPU and on
+      the device);
+    - front-padded with zero embeddings to one length each (`padded`), as one batch of `sequences`
+      rows: the DeltaNet layers keep a zero state through zero inputs, and attention masks the
+      padding out (`sees`). Everything here is then computed on the device from the padding counts,
+      so a captured CUDA graph serves any prompt lengths up to that length."""
 
     slots: torch.Tensor
     columns: torch.Tensor
     rope_positions: torch.Tensor
+    places: torch.Tensor | None = None  # a prefill row's place in its prompt's rows, padding included
     lengths: list[int] | None = None
-    first_slot: int = 0
-    bounds: torch.Tensor | None = None
-    device_bounds: torch.Tensor | None = None
+    prompt_slots: torch.Tensor | None = None
     tail_rows: torch.Tensor | None = None
     tail_exists: torch.Tensor | None = None
+    last_rows: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
+    device_bounds: torch.Tensor | None = None
+    first_slot: int = 0
+    sequences: int = 1
+    sees: torch.Tensor | None = None
 
     @classmethod
     def packed(cls, lengths: list[int], first_slot: int, conv_width: int, device) -> "_Rows":
@@ -105,14 +117,32 @@ class _Rows:
         would wait for the GPU each time."""
         bounds = torch.tensor([0, *itertools.accumulate(lengths)])
         columns = torch.cat([torch.arange(length) for length in lengths])
-        slots = torch.arange(first_slot, first_slot + len(lengths)).repeat_interleave(torch.tensor(lengths))
+        prompt_slots = torch.arange(first_slot, first_slot + len(lengths))
+        slots = prompt_slots.repeat_interleave(torch.tensor(lengths))
         tails = bounds[1:, None] - conv_width + torch.arange(conv_width)
         exists = tails >= bounds[:-1, None]
-        parts = [columns, slots, bounds, tails.clamp(min=0).flatten(), exists.flatten().long()]
-        columns, slots, device_bounds, tail_rows, tail_exists = in_one_copy(parts, device)
+        parts = [columns, slots, prompt_slots, bounds, tails.clamp(min=0).flatten(), exists.flatten().long()]
+        columns, slots, prompt_slots, device_bounds, tail_rows, tail_exists = in_one_copy(parts, device)
         shape = (len(lengths), conv_width)
-        return cls(slots, columns, columns, lengths, first_slot, bounds, device_bounds, tail_rows.view(shape),
-                   tail_exists.view(shape).bool())
+        return cls(slots, columns, columns, columns, lengths, prompt_slots, tail_rows.view(shape),
+                   tail_exists.view(shape).bool(), device_bounds[1:] - 1, bounds, device_bounds, first_slot)
+
+    @classmethod
+    def padded(cls, pads: torch.Tensor, prompt_slots: torch.Tensor, length: int, conv_width: int) -> "_Rows":
+        """`pads[i]` zero rows, then prompt i's tokens, `length` rows in all, for slot prompt_slots[i].
+        Prompt i's token j sits at column j; its padding rows write their (zero) keys at the columns
+        after the prompt, which its decode steps overwrite before reading."""
+        sequences, device = pads.shape[0], pads.device
+        row = torch.arange(length, device=device)
+        position = row - pads[:, None]  # [sequences, length], negative on padding
+        column = position.remainder(length)
+        # [sequences, rows, columns]: a token sees its prompt's columns up to its own; padding its own column.
+        sees = (row <= position[:, :, None]) | (row == column[:, :, None])
+        starts = torch.arange(sequences, device=device)[:, None] * length
+        tails = starts + length - conv_width + torch.arange(conv_width, device=device)
+        return cls(prompt_slots.repeat_interleave(length), column.flatten(), position.clamp(min=0).flatten(),
+                   row.repeat(sequences), [length] * sequences, prompt_slots, tails, torch.ones_like(tails, dtype=torch.bool),
+                   starts[:, 0] + length - 1, sequences=sequences, sees=sees)
 
 
 class _DeltaNetLayer:
@@ -146,18 +176,19 @@ class _DeltaNetLayer:
 
     def prefill(self, hidden, store, rows: _Rows):
         projection = F.linear(hidden, self.in_weight)
-        qkv = text_ops.packed_conv(projection, self.channels, self.conv_weight, rows.lengths, rows.columns)
+        qkv = text_ops.packed_conv(projection, self.channels, self.conv_weight, rows.places)
         tails = (projection[rows.tail_rows, :self.channels] * rows.tail_exists[..., None]).transpose(1, 2)
-        prompts = slice(rows.first_slot, rows.first_slot + len(rows.lengths))
-        store.ensure_layer(store.conv, self.index, tails, columns=False)[prompts] = tails
+        store.ensure_layer(store.conv, self.index, tails, columns=False).index_copy_(0, rows.prompt_slots, tails)
         tokens = hidden.shape[0]
+        batch = (rows.sequences, tokens // rows.sequences)
         query, key, value = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta, decay = text_ops.delta_gates(projection, self.beta_column, self.decay_column, self.value_heads,
                                            self.a_log, self.dt_bias)
         attended, states = text_ops.chunk_delta_rule(
-            query.reshape(tokens, self.key_heads, -1), key.reshape(tokens, self.key_heads, -1),
-            value.reshape(tokens, self.value_heads, -1), decay, beta, rows.bounds, rows.device_bounds)
-        store.ensure_layer(store.recurrent, self.index, states, columns=False)[prompts] = states
+            query.reshape(*batch, self.key_heads, -1), key.reshape(*batch, self.key_heads, -1),
+            value.reshape(*batch, self.value_heads, -1), decay.view(*batch, -1), beta.view(*batch, -1), rows.bounds,
+            rows.device_bounds)
+        store.ensure_layer(store.recurrent, self.index, states, columns=False).index_copy_(0, rows.prompt_slots, states)
         return self._out(attended.reshape(tokens, -1), projection)
 
     def _out(self, attended, projection):
@@ -200,18 +231,33 @@ class _AttentionLayer:
         keys = store.ensure_layer(store.keys, self.index, like, columns=True)
         values = store.ensure_layer(store.values, self.index, like, columns=True)
         projection, query = self._inputs(hidden, rows, keys, values)
+        attended = self._attend_padded(query, keys, values, rows) if rows.sees is not None \
+            else self._attend_packed(query, keys, values, rows)
+        return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
+
+    def _attend_packed(self, query, keys, values, rows: _Rows):
+        """Causal attention within each prompt, over the keys and values just written to its slot."""
         group = self.heads // self.kv_heads
         outputs, start = [], 0
-        for prompt, length in enumerate(rows.lengths):  # causal attention within each prompt
-            slot = rows.first_slot + prompt
+        for slot, length in enumerate(rows.lengths, start=rows.first_slot):
             own = query[start:start + length].transpose(0, 1)[None]
             attended = F.scaled_dot_product_attention(
                 own, keys[slot, :, :length].repeat_interleave(group, dim=0)[None],
                 values[slot, :, :length].repeat_interleave(group, dim=0)[None], is_causal=True, scale=self.scaling)
             outputs.append(attended[0].transpose(0, 1).reshape(length, -1))
             start += length
-        return F.linear(text_ops.output_gated(torch.cat(outputs), projection, self.heads, self.head_dim),
-                        self.out_weight)
+        return torch.cat(outputs)
+
+    def _attend_padded(self, query, keys, values, rows: _Rows):
+        """Each padded row's attention over its slot's first `length` columns, masked by rows.sees."""
+        group = self.heads // self.kv_heads
+        length = rows.lengths[0]
+        own_keys, own_values = (t[:, :, :length].index_select(0, rows.prompt_slots).repeat_interleave(group, dim=1)
+                                for t in (keys, values))
+        queries = query.view(rows.sequences, length, self.heads, self.head_dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(queries, own_keys, own_values, attn_mask=rows.sees[:, None],
+                                                  scale=self.scaling)
+        return attended.transpose(1, 2).reshape(rows.sequences * length, -1)
 
 
 class _MLP:
@@ -230,7 +276,8 @@ class FusedTextModel:
     - decode(tokens, positions): next-token logits for slots [0, n), each fed one token at its column
       `positions[i]`;
     - prefill(embeddings, lengths, first_slot): prompts' input embeddings packed back to back (no
-      padding), each from a fresh state into slot first_slot + i; each prompt's next-token logits.
+      padding), each from a fresh state into slot first_slot + i; each prompt's next-token logits;
+      prefill_padded the same for prompts front-padded to one length.
     """
 
     def __init__(self, model, store):
@@ -254,10 +301,18 @@ class FusedTextModel:
         return self._logits(hidden, residual)
 
     def prefill(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int) -> torch.Tensor:
-        rows = _Rows.packed(lengths, first_slot, self.conv_width, embeddings.device)
+        return self._prefill(embeddings, _Rows.packed(lengths, first_slot, self.conv_width, embeddings.device))
+
+    def prefill_padded(self, embeddings: torch.Tensor, pads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """prefill for prompts front-padded to one length: embeddings [prompts * length, hidden], prompt
+        i's `pads[i]` zero rows then its tokens, into slot `slots[i]` (both on the device, so that no
+        host value depends on the prompts: this is what app.engine.batch_runner captures)."""
+        length = embeddings.shape[0] // pads.shape[0]
+        return self._prefill(embeddings, _Rows.padded(pads, slots, length, self.conv_width))
+
+    def _prefill(self, embeddings: torch.Tensor, rows: _Rows) -> torch.Tensor:
         hidden, residual = self._layers(embeddings, rows, prefill=True)
-        last = rows.device_bounds[1:] - 1
-        return self._logits(hidden[last], residual[last])
+        return self._logits(hidden[rows.last_rows], residual[rows.last_rows])
 
     def _layers(self, hidden, rows: _Rows, prefill: bool):
         residual = None

@@ -72,52 +72,55 @@ def conv_step(projection: torch.Tensor, channels: int, state: torch.Tensor, weig
     return F.silu(F.conv1d(window, weight[:, None], groups=channels)[:, :, 0])
 
 
-def packed_conv(projection: torch.Tensor, channels: int, weight: torch.Tensor, lengths: list[int],
-                positions: torch.Tensor) -> torch.Tensor:
-    """The DeltaNet layer's causal depthwise convolution, then SiLU, over prompts packed back to back (of
-    `lengths` tokens; `positions` [tokens]: each token's place in its prompt), each from a zero state:
-    the first `channels` columns of `projection`. Returns [tokens, channels]."""
+def packed_conv(projection: torch.Tensor, channels: int, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The DeltaNet layer's causal depthwise convolution, then SiLU, over prompts laid out one after
+    another, each from a zero state: the first `channels` columns of `projection`, `weight` [channels,
+    width]. `positions` [tokens]: how many rows before each belong to its prompt (its place in it).
+    Returns [tokens, channels]."""
     kernels = _kernels_for(projection)
     if kernels is not None:
         return kernels.packed_conv(projection, channels, weight, positions)
-    outputs, start = [], 0
-    for length in lengths:
-        prompt = projection[start:start + length, :channels].T[None].to(weight.dtype)
-        convolved = F.conv1d(prompt, weight[:, None], padding=weight.shape[1] - 1, groups=channels)[0, :, :length]
-        outputs.append(F.silu(convolved).T)
-        start += length
-    return torch.cat(outputs).to(projection.dtype)
+    inputs = projection[:, :channels].to(weight.dtype)
+    width = weight.shape[1]
+    convolved = inputs * weight[:, width - 1]
+    for back in range(1, width):  # the input `back` rows before, where it is of the same prompt
+        earlier = F.pad(inputs, (0, 0, back, 0))[:len(inputs)] * (positions >= back)[:, None]
+        convolved = convolved + earlier * weight[:, width - 1 - back]
+    return F.silu(convolved).to(projection.dtype)
 
 
 def chunk_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
-                     beta: torch.Tensor, bounds: torch.Tensor,
-                     device_bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over prompts packed back to back, each from a zero state, as the DeltaNet
-    layer's prefill runs it. `bounds`: where each prompt starts, then the end, on the CPU;
-    `device_bounds` the same on the inputs' device. Queries and keys [tokens, key_heads, K] are
-    L2-normalized inside; values [tokens, value_heads, V], decays (log space, fp32) and betas
-    [tokens, value_heads]. Returns the outputs [tokens, value_heads, V] and each prompt's final state
-    [prompts, value_heads, K, V] (fp32).
+                     beta: torch.Tensor, bounds: torch.Tensor | None = None,
+                     device_bounds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule as the DeltaNet layer's prefill runs it, each prompt from a zero state:
+    prompts of one length as a batch, or, given `bounds`, prompts packed back to back in one row
+    (`bounds`: where each starts, then the end, on the CPU; `device_bounds` the same on the inputs'
+    device). Queries and keys [rows, tokens, key_heads, K] are L2-normalized inside; values [rows,
+    tokens, value_heads, V], decays (log space, fp32) and betas [rows, tokens, value_heads]. Returns
+    the outputs [rows, tokens, value_heads, V] and each prompt's final state [prompts, value_heads, K,
+    V] (fp32).
 
     flash-linear-attention's chunked kernels on CUDA (the ones transformers' layer calls, given the
     packing); transformers' PyTorch version prompt by prompt elsewhere."""
     if _kernels_for(query) is not None and _flash_linear_attention() is not None:  # it needs Triton too
-        out, states = _flash_linear_attention()(
-            query[None], key[None], value[None], g=decay[None], beta=beta[None], output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=device_bounds, cu_seqlens_cpu=bounds)
-        return out[0], states
+        return _flash_linear_attention()(
+            query, key, value, g=decay, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=device_bounds, cu_seqlens_cpu=bounds)
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+    if bounds is None:
+        return torch_chunk_gated_delta_rule(query, key, value, g=decay, beta=beta, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
     outputs, states = [], []
     starts = bounds.tolist()
     for start, end in zip(starts, starts[1:]):
         prompt = slice(start, end)
         out, state = torch_chunk_gated_delta_rule(
-            query[None, prompt], key[None, prompt], value[None, prompt], g=decay[None, prompt],
-            beta=beta[None, prompt], output_final_state=True, use_qk_l2norm_in_kernel=True)
-        outputs.append(out[0])
+            query[:, prompt], key[:, prompt], value[:, prompt], g=decay[:, prompt], beta=beta[:, prompt],
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outputs.append(out)
         states.append(state)
-    return torch.cat(outputs), torch.cat(states)
+    return torch.cat(outputs, dim=1), torch.cat(states)
 
 
 @functools.cache
