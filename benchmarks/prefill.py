@@ -3,7 +3,8 @@
 At 50-200 users the scheduler spends most of its time prefilling newcomers (benchmarks/RESULTS.md), so
 this times the two halves of a wave exactly as the scheduler runs them (BatchRunner.encode_media, then
 BatchRunner.prefill; the fused vision tower and text model against transformers' modules too, with
-their features and next tokens compared) for waves of --rows requests of the benchmark's 1344x1344
+their features and next tokens compared, and a small wave's captured text prefill against the same
+kernels launched from Python) for waves of --rows requests of the benchmark's 1344x1344
 image, and lists the GPU kernels of the smallest and the largest wave (their busy time against the
 wave's: launch-bound or not).
 Random weights at the real 4.6 shape; run on a GPU machine:
@@ -20,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import AppConfig  # noqa: E402
+from app.engine.batch_runner import PREFILL_GRAPH_ROWS  # noqa: E402
 from app.engine.manager import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
 from app.engine.vision_tower import tune_vision_tower  # noqa: E402
@@ -82,15 +84,20 @@ def main() -> None:
         return [(prepared.tensors["input_ids"], feature, prepared.canvas) for feature in features]
 
     def text(rows, features):
-        logits = runner.prefill(prompts(features), 0, prepared.prompt_tokens + 128)
-        runner.store.release()
-        return logits
+        return runner.prefill(prompts(features), 0, prepared.prompt_tokens + 128)
+
+    prefill_graphs = runner.prefill_graphs
+
+    def text_eager(rows, features):  # the fused text model launched from Python, where a graph would replay
+        runner.prefill_graphs = None
+        try:
+            return text(rows, features)
+        finally:
+            runner.prefill_graphs = prefill_graphs
 
     def text_through_transformers(rows, features):
         runner.store.reserve(rows, prepared.prompt_tokens + 128)
-        logits = runner.prefill_through_transformers(prompts(features), 0)
-        runner.store.release()
-        return logits
+        return runner.prefill_through_transformers(prompts(features), 0)
 
     with torch.inference_mode():
         for rows in args.rows:
@@ -103,11 +110,18 @@ def main() -> None:
                 difference = max(float((ours.float() - reference.float()).abs().max()) for ours, reference in zip(features, theirs))
                 wave.update(vision_ms_through_transformers=round(theirs_ms, 1), max_abs_feature_diff=difference,
                             max_abs_feature=float(theirs[0].float().abs().max()))
+            if prefill_graphs is not None and rows in PREFILL_GRAPH_ROWS:  # the captured prefill against launches
+                logits = logits.clone()  # the graph's output, overwritten by its next replay
+                eager_ms, eager = timed(synchronize, lambda: text_eager(rows, features), args.runs)
+                wave.update(text_ms_launched=round(eager_ms, 1),
+                            launched_same_choice=float((logits.argmax(-1) == eager.argmax(-1)).float().mean()),
+                            launched_max_abs_logit_diff=float((logits.float() - eager.float()).abs().max()))
             if runner.fused is not None:  # the fused text model against transformers' layers
                 theirs_ms, theirs = timed(synchronize, lambda: text_through_transformers(rows, features), args.runs)
                 wave.update(text_ms_through_transformers=round(theirs_ms, 1),
                             same_choice=float((logits.argmax(-1) == theirs.argmax(-1)).float().mean()),
                             max_abs_logit_diff=float((logits.float() - theirs.float()).abs().max()))
+            runner.release()  # the next wave size's memory
             results["waves"].append(wave)
             print(json.dumps(wave), flush=True)
 

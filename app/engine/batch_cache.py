@@ -74,8 +74,10 @@ class SlotStore:
         self.rope_deltas[target] = self.rope_deltas[source]
 
     def release(self) -> None:
-        """Free all memory (the model is being unloaded)."""
+        """Free all memory (the model is being unloaded, or a warm-up is done with it)."""
+        generation = self.generation
         self.__init__(self.device)
+        self.generation = generation + 1  # never back to a number a captured graph was made at
 
 
 def _grown(current: int, needed: int) -> int:

@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 
 # Batch sizes a captured decode step exists for; a batch runs in the smallest bucket that holds it.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Prefill waves a captured text prefill exists for (waves have 2^k prompts): their prompts' count, and
+# the lengths they are front-padded to, at most the store's reserved columns (a longer one would grow
+# the store, and so recapture every graph). Larger waves are bound by the GPU, not by launches.
+PREFILL_GRAPH_ROWS = (1, 2, 4)
+PREFILL_GRAPH_LENGTHS = (64, 128, 256, 512, 768, 1024)
 
 
 def padded_length(tokens: int) -> int:
@@ -60,6 +65,7 @@ class BatchRunner:
             use_cuda_graphs = self.device.type == "cuda"
         self.graphs = _DecodeGraphs(self) if use_cuda_graphs else None
         self.fused = fused_text_model_for(model, self.store) if limits.FUSED_TEXT_MODEL else None
+        self.prefill_graphs = _PrefillGraphs(self) if use_cuda_graphs and self.fused is not None else None
         self.fused_vision = fused_vision_tower_for(model) if limits.FUSED_VISION_TOWER else None
         # Not with use_cuda_graphs=False either: on ZeroGPU the GPU exists only inside the callers' functions.
         self._staging = _PixelStaging(self.device) if use_cuda_graphs and self.device.type == "cuda" else None
@@ -138,8 +144,10 @@ class BatchRunner:
         if self.fused is not None and not any(canvas is not None for _, _, canvas in prompts):
             features = [f for _, f, _ in prompts if f is not None]
             embeddings = self._embedded(torch.cat([input_ids for input_ids, _, _ in prompts], dim=1),
-                                        torch.cat(features) if features else None)
-            logits = self.fused.prefill(embeddings[0], lengths, first_slot)
+                                        torch.cat(features) if features else None)[0]
+            logits = self.prefill_graphs.run(embeddings, lengths, first_slot) if self.prefill_graphs else None
+            if logits is None:
+                logits = self.fused.prefill(embeddings, lengths, first_slot)
         else:
             logits = self.prefill_through_transformers(prompts, first_slot)
         self.store.lengths[first_slot:first_slot + count] = torch.tensor(lengths, device=self.device)
@@ -256,7 +264,8 @@ class BatchRunner:
         return shapes
 
     def _reserve_batch(self, max_rows: int) -> None:
-        """Take the store's slots for a whole batch now, and capture the decode step of every bucket.
+        """Take the store's slots for a whole batch now, and capture the decode step of every bucket (and
+        the small waves' prefill).
 
         Else the store grows with the batch in service, and each growth moves its tensors and so
         recaptures the decode step of each bucket met next (about 0.1 s each, every stream stalled):
@@ -268,11 +277,15 @@ class BatchRunner:
             for bucket in GRAPH_BUCKETS:
                 if bucket <= max_rows:
                     self.graphs.run(torch.zeros(bucket, dtype=torch.long, device=self.device))
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture_all(max_rows)
 
     def release(self) -> None:
         self.store.release()
         if self.graphs is not None:
             self.graphs.clear()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.clear()
 
 
 class StagedPixels:
@@ -328,6 +341,107 @@ def _capture_stream():
     return torch.cuda.Stream()
 
 
+def _captured(run: Callable[[], torch.Tensor], pool, name: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run` captured as a CUDA graph in memory pool `pool`, with its output tensor. Two warm-up runs
+    first, on the capture's side stream as capture requires (kernels tuned per shape run their tuning
+    then, outside the capture)."""
+    started = torch.cuda.Event(enable_timing=True)
+    ended = torch.cuda.Event(enable_timing=True)
+    started.record()
+    stream = _capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # Thread-local: request threads copy pixels to the GPU meanwhile (stage_media), on their own stream.
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        output = run()
+    ended.record()
+    torch.cuda.synchronize()
+    log.info("Captured %s in %.0f ms", name, started.elapsed_time(ended))
+    return graph, output
+
+
+class _PrefillGraphs:
+    """The fused text prefill of small waves captured as a CUDA graph per (prompts, padded length).
+
+    A lone prompt's text prefill is about a thousand kernels, launched from Python: 28-37 ms on an H200
+    for about 4 ms of GPU work (flash-linear-attention's chunked delta rule alone goes through autograd,
+    autocast and input checks 18 times; benchmarks/RESULTS.md). Replayed, the launches cost next to
+    nothing. The prompts are front-padded with zero embeddings to the bucket's length
+    (FusedTextModel.prefill_padded): their padding is computed but changes nothing, and the GPU had
+    time to spare. Captures are valid while the store keeps its tensors, as the decode step's.
+    """
+
+    def __init__(self, runner: BatchRunner):
+        self.runner = runner
+        self.pool = None
+        self.captured: dict[tuple[int, int], tuple] = {}
+        self.store_generation = None
+
+    def clear(self) -> None:
+        self.captured.clear()
+        self.pool = None
+
+    def capture_all(self, max_rows: int) -> None:
+        """Capture every bucket that fits the store now, each with a throwaway prompt into the first slots."""
+        hidden = self.runner.embed.embedding_dim
+        dtype = self.runner.embed.weight.dtype
+        for rows in PREFILL_GRAPH_ROWS:
+            for length in PREFILL_GRAPH_LENGTHS:
+                if rows <= max_rows and self.runner.prefill_graphs is self:  # not given up on
+                    self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.runner.device), [1] * rows, 0,
+                             length)
+
+    def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int,
+            length: int | None = None) -> torch.Tensor | None:
+        """FusedTextModel.prefill's logits through a captured graph (captured now if need be), or None
+        where no bucket holds the wave. `length`: the bucket's, rather than the smallest that holds it."""
+        store = self.runner.store
+        length = length or next((size for size in PREFILL_GRAPH_LENGTHS if size >= max(lengths)), None)
+        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > store.column_capacity:
+            return None
+        if self.store_generation != store.generation:
+            self.clear()
+            self.store_generation = store.generation
+        rows = len(lengths)
+        if (rows, length) not in self.captured:
+            device = self.runner.device
+            static_embeddings = torch.zeros((rows * length, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
+            static_places = torch.zeros(2 * rows, dtype=torch.long, device=device)  # padding, then slots
+            self.captured[rows, length] = (static_embeddings, static_places, None, None)
+        static_embeddings, static_places, graph, static_logits = self.captured[rows, length]
+        pads = [length - size for size in lengths]
+        static_places.copy_(torch.tensor(pads + list(range(first_slot, first_slot + rows))).pin_memory(),
+                            non_blocking=True)
+        static_embeddings.zero_()
+        padded, start = static_embeddings.view(rows, length, -1), 0
+        for row, (pad, size) in enumerate(zip(pads, lengths)):
+            padded[row, pad:] = embeddings[start:start + size]
+            start += size
+        if graph is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            # The warm-up runs write these prompts' own (free) slots, as the replay does next.
+            try:
+                graph, static_logits = _captured(
+                    lambda: self.runner.fused.prefill_padded(static_embeddings, static_places[:rows],
+                                                             static_places[rows:]),
+                    self.pool, f"the prefill of {rows} prompts of up to {length} tokens")
+            except RuntimeError as error:  # a kernel that cannot be captured (a library's new version, say)
+                log.warning("The prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
+                self.runner.prefill_graphs = None
+                return None
+            self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
+            # The warm-up runs may have made the store's layers (its first prefill): no earlier capture can
+            # have existed then, and this one uses them.
+            self.store_generation = store.generation
+        graph.replay()
+        return static_logits
+
+
 class _DecodeGraphs:
     """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
 
@@ -366,31 +480,17 @@ class _DecodeGraphs:
         return static_logits[:n]
 
     def _capture(self, bucket: int):
-        started = torch.cuda.Event(enable_timing=True)
-        ended = torch.cuda.Event(enable_timing=True)
-        started.record()
         device = self.runner.device
         static_tokens = torch.zeros(bucket, dtype=torch.long, device=device)
         static_positions = torch.zeros(bucket, dtype=torch.long, device=device)
-        # Warm-up runs on a side stream, as CUDA graph capture requires. They write column 0 and the
-        # DeltaNet states of the bucket's slots, some of which hold running requests: saved and restored.
+        # The warm-up runs write column 0 and the DeltaNet states of the bucket's slots, some of which
+        # hold running requests: saved and restored.
         saved = self._save_column_zero(bucket)
-        stream = _capture_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.runner.decode_step(static_tokens, static_positions)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # Thread-local: request threads copy pixels to the GPU meanwhile (stage_media), on their own stream.
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-            static_logits = self.runner.decode_step(static_tokens, static_positions)
+        graph, static_logits = _captured(lambda: self.runner.decode_step(static_tokens, static_positions), self.pool,
+                                         f"the decode step for batch {bucket}")
         self._restore(saved)
-        ended.record()
-        torch.cuda.synchronize()
-        log.info("Captured the decode step for batch %d in %.0f ms", bucket, started.elapsed_time(ended))
         return graph, static_tokens, static_positions, static_logits
 
     def _save_column_zero(self, bucket: int):
