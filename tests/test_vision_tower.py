@@ -39,16 +39,22 @@ def test_grouped_attention_equals_one_call_per_slice(monkeypatch):
         torch.testing.assert_close(grouped, per_slice_attention(query, key, value, lengths, 0.3), rtol=0, atol=1e-6)
 
 
-def test_pixels_come_prepared_in_the_towers_dtype(manager, tmp_path):
-    messages = [{"role": "user", "content": [{"type": "image", "path": make_image(tmp_path, "p.png")},
-                                             {"type": "text", "text": "What is this?"}]}]
+def test_images_come_in_uint8_and_the_engine_normalizes_them(manager, tmp_path):
+    """The app's processor leaves images unnormalized (uint8, a quarter of float32's bytes); the runner's
+    normalization on its device gives what the processor as shipped gives, bit for bit, in the tower's
+    dtype. A video's pixels come in the tower's dtype."""
+    image = make_image(tmp_path, "p.png", (1000, 700))
+    messages = [{"role": "user", "content": [{"type": "image", "path": image}, {"type": "text", "text": "What is this?"}]}]
     settings = GenerationSettings(max_new_tokens=8)
-    as_processed = prepare_inputs(manager.processor, messages, settings, 4096)
-    as_sent = prepare_inputs(manager.processor, messages, settings, 4096, pixel_dtype=torch.bfloat16)
-    assert as_processed.tensors["pixel_values"].dtype == torch.float32
-    assert as_sent.tensors["pixel_values"].dtype == torch.bfloat16
-    # What the model's own cast would have made of them.
-    assert torch.equal(as_sent.tensors["pixel_values"], as_processed.tensors["pixel_values"].to(torch.bfloat16))
+    sent = prepare_inputs(manager.processor, messages, settings, 4096, pixel_dtype=torch.bfloat16).tensors
+    assert sent["pixel_values"].dtype == torch.uint8
+    shipped = AutoProcessor.from_pretrained(manager.source.path)
+    expected = prepare_inputs(shipped, messages, settings, 4096).tensors["pixel_values"]
+    runner = manager.scheduler.runner
+    assert torch.equal(runner._image_pixels(sent), expected[0].to(runner.pixel_dtype))
+    video = [{"role": "user", "content": [{"type": "video", "path": make_video(tmp_path, seconds=2, fps=4)}]}]
+    assert prepare_inputs(manager.processor, video, settings, 4096,
+                          pixel_dtype=torch.bfloat16).tensors["pixel_values_videos"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
@@ -68,6 +74,10 @@ def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
         for messages in requests:
             expected = prepare_inputs(shipped, messages, settings, 8192).tensors
             got = prepare_inputs(ours, messages, settings, 8192).tensors
+            if "pixel_normalization" in got:  # images come unnormalized (uint8): normalized as the engine does
+                mean, std = got.pop("pixel_normalization").view(2, -1, 1, 1)
+                assert got["pixel_values"].dtype == torch.uint8
+                got["pixel_values"] = got["pixel_values"].float().sub_(mean).div_(std)
             assert expected.keys() == got.keys()
             for key, value in expected.items():
                 assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key

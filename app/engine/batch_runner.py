@@ -69,6 +69,8 @@ class BatchRunner:
         self.fused_vision = fused_vision_tower_for(model) if limits.FUSED_VISION_TOWER else None
         # Not with use_cuda_graphs=False either: on ZeroGPU the GPU exists only inside the callers' functions.
         self._staging = _PixelStaging(self.device) if use_cuda_graphs and self.device.type == "cuda" else None
+        self.pixel_dtype = model.model.vision_tower.dtype
+        self._normalizations: dict[tuple, torch.Tensor] = {}  # pixel normalization on the device
         if self.fused_vision is None:
             tune_vision_tower(model)
 
@@ -107,12 +109,25 @@ class BatchRunner:
                 by_mode.setdefault(mode, []).append(index)
         for mode, indices in by_mode.items():
             # Joined on the GPU: a wave's pixels are hundreds of MB, too many to copy once more on the CPU.
-            pixels = torch.cat([self._on_device(batch[i][0]["pixel_values"])[0] for i in indices], dim=-1)
+            pixels = torch.cat([self._image_pixels(batch[i][0]) for i in indices], dim=-1)
             sizes = [batch[i][0]["target_sizes"] for i in indices]
             per_slice = iter(self._slice_features(pixels, torch.cat(sizes), mode))
             for index, request_sizes in zip(indices, sizes):
                 features[index] = torch.cat([next(per_slice) for _ in range(len(request_sizes))])
         return features
+
+    def _image_pixels(self, tensors: dict) -> torch.Tensor:
+        """A request's image slices [channels, patch, tokens * patch] on the device, as the tower takes
+        them: the app's processor leaves them in uint8, to be normalized here (app.engine.inputs)."""
+        pixels = self._on_device(tensors["pixel_values"])[0]
+        if pixels.is_floating_point():
+            return pixels
+        normalization = tensors["pixel_normalization"]
+        key = tuple(normalization.flatten().tolist())
+        if key not in self._normalizations:  # constant per processor: copied once
+            self._normalizations[key] = normalization.to(self.device).view(2, -1, 1, 1)
+        mean, std = self._normalizations[key]
+        return pixels.float().sub_(mean).div_(std).to(self.pixel_dtype)
 
     def _on_device(self, pixels) -> torch.Tensor:
         if isinstance(pixels, StagedPixels):

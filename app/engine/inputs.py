@@ -57,12 +57,37 @@ def _check_text(messages: list[dict]) -> None:
 
 
 def load_processor(path: str, trust_remote_code: bool):
-    """The checkpoint's processor (tokenizer, chat template, image and video processors), patches cut fast."""
+    """The checkpoint's processor (tokenizer, chat template, image and video processors), patches cut
+    fast, images left unnormalized."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     _cut_patches_by_reshape(processor)
+    _leave_images_unnormalized(processor)
     return processor
+
+
+def _leave_images_unnormalized(processor) -> None:
+    """Images come out of the app's processor as the uint8 pixels of their resized slices, their
+    tensors holding the normalization the model expects (`pixel_normalization`: mean and std on the
+    0-255 scale), and the engine normalizes them on its device (app.engine.batch_runner). On a CPU
+    core, normalizing float32 pixels, cutting and joining them and casting them to bf16 took two
+    thirds of the processor's time for a 1344x1344 image; uint8 pixels are also half of bf16's bytes
+    on their way to the engine and the GPU. For MiniCPM-V 4.6's image processor (4.7 uses it too)
+    when it rescales and normalizes, as its checkpoints do."""
+    import torch
+
+    image_processor = getattr(processor, "image_processor", None)
+    if getattr(image_processor, "reshape_by_patch", None) is not _image_patches:
+        return
+    if not (image_processor.do_rescale and image_processor.do_normalize):
+        return
+    # Rescaling and normalizing fused as transformers' torch processors fuse them, in float32.
+    factor = 1.0 / image_processor.rescale_factor
+    processor.pixel_normalization = torch.stack([torch.tensor(image_processor.image_mean) * factor,
+                                                 torch.tensor(image_processor.image_std) * factor])
+    image_processor.do_rescale = image_processor.do_normalize = False
+    image_processor.reshape_by_patch = _uint8_image_patches
 
 
 def _cut_patches_by_reshape(processor) -> None:
@@ -89,6 +114,13 @@ def _image_patches(image, patch_size: int):
     return patches.permute(0, 2, 1, 3, 4).reshape(channels, patch_size, -1)
 
 
+def _uint8_image_patches(image, patch_size: int):
+    """_image_patches of an unnormalized slice (whole pixel values, in float32 from the processor), as uint8."""
+    import torch
+
+    return _image_patches(image.to(torch.uint8), patch_size)
+
+
 def _video_patches(videos, patch_size: int):
     """[B, T, C, H, W] -> [B, T, C, patch_size, H * W / patch_size], each frame as _image_patches cuts an image."""
     batch, frames, channels, height, width = videos.shape
@@ -100,8 +132,9 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
                    pixel_dtype=None) -> PreparedInputs:
     """Model inputs for the conversation; the oldest turns are left out (with a notice) when it outgrows the context.
 
-    Pixels come in `pixel_dtype` (the vision tower's): the model would cast them on the GPU anyway, and
-    float32 doubles what crosses from a worker process and to the GPU (24 MB for one 1344x1344 image).
+    Floating-point pixels (a video's) come in `pixel_dtype` (the vision tower's): the model would cast
+    them on the GPU anyway, and float32 doubles what crosses from a worker process and to the GPU (24
+    MB for one 1344x1344 image). The app's processor leaves images in uint8 (_leave_images_unnormalized).
     """
     if not messages or messages[-1]["role"] != "user":
         raise UserError(limits.MSG_EMPTY_REQUEST)
@@ -115,8 +148,9 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
             if start:
                 prepared.notices.insert(0, limits.MSG_CONTEXT_TRIMMED.format(count=start, limit=max_context_tokens))
             for key in PIXEL_KEYS if pixel_dtype is not None else ():
-                if prepared.tensors.get(key) is not None:
-                    prepared.tensors[key] = prepared.tensors[key].to(pixel_dtype)
+                pixels = prepared.tensors.get(key)
+                if pixels is not None and pixels.is_floating_point():
+                    prepared.tensors[key] = pixels.to(pixel_dtype)
             return prepared
     raise UserError(limits.MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
 
@@ -158,7 +192,9 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
         _template_messages(messages), add_generation_prompt=True, tokenize=False,
         enable_thinking=settings.enable_thinking,
     )
-    tensors = processor(text=[prompt], return_tensors="pt", **processor_kwargs)
+    tensors = dict(processor(text=[prompt], return_tensors="pt", **processor_kwargs))
+    if loaded and not tensors["pixel_values"].is_floating_point():
+        tensors["pixel_normalization"] = processor.pixel_normalization
     input_ids = tensors["input_ids"][0]
     tokenizer = processor.tokenizer
     image_tokens = list(plan.tokens_per_image) if plan else []
@@ -167,7 +203,7 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
         # The planner mirrors the processor's geometry; if a checkpoint's processor differs, trust the count.
         image_tokens = [counted] if counted else []
     return PreparedInputs(
-        tensors=dict(tensors),
+        tensors=tensors,
         prompt_tokens=int(input_ids.numel()),
         image_tokens=image_tokens,
         video_tokens=int((input_ids == tokenizer.video_token_id).sum()),
