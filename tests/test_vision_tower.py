@@ -8,7 +8,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from app import limits
 from app.engine import vision_tower
 from app.engine.batch_runner import BatchRunner
-from app.engine.inputs import load_processor, prepare_inputs
+from app.engine.inputs import load_processor, normalized_pixels, prepare_inputs
 from app.engine.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 from app.engine.settings import GenerationSettings
 from tests.conftest import make_image, make_video
@@ -75,9 +75,8 @@ def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
             expected = prepare_inputs(shipped, messages, settings, 8192).tensors
             got = prepare_inputs(ours, messages, settings, 8192).tensors
             if "pixel_normalization" in got:  # images come unnormalized (uint8): normalized as the engine does
-                mean, std = got.pop("pixel_normalization").view(2, -1, 1, 1)
                 assert got["pixel_values"].dtype == torch.uint8
-                got["pixel_values"] = got["pixel_values"].float().sub_(mean).div_(std)
+                got["pixel_values"] = normalized_pixels(got["pixel_values"], got.pop("pixel_normalization"))
             assert expected.keys() == got.keys()
             for key, value in expected.items():
                 assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key

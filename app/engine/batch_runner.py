@@ -18,7 +18,7 @@ from app import limits
 from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
 from app.engine.fused_text import fused_text_model_for
 from app.engine.fused_vision import fused_vision_tower_for
-from app.engine.inputs import PIXEL_KEYS
+from app.engine.inputs import PIXEL_KEYS, normalized_pixels
 from app.engine.vision_tower import slice_layout, tune_vision_tower
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,8 @@ class BatchRunner:
         normalization = tensors["pixel_normalization"]
         key = tuple(normalization.flatten().tolist())
         if key not in self._normalizations:  # constant per processor: copied once
-            self._normalizations[key] = normalization.to(self.device).view(2, -1, 1, 1)
-        mean, std = self._normalizations[key]
-        return pixels.float().sub_(mean).div_(std).to(self.pixel_dtype)
+            self._normalizations[key] = normalization.to(self.device)
+        return normalized_pixels(pixels, self._normalizations[key]).to(self.pixel_dtype)
 
     def _on_device(self, pixels) -> torch.Tensor:
         if isinstance(pixels, StagedPixels):

@@ -114,6 +114,14 @@ def _image_patches(image, patch_size: int):
     return patches.permute(0, 2, 1, 3, 4).reshape(channels, patch_size, -1)
 
 
+def normalized_pixels(pixels, normalization):
+    """uint8 pixels [..., channels, patch, width] from the app's processor, normalized by `normalization`
+    (their tensors' pixel_normalization, on the pixels' device) as the processor as shipped does it,
+    in float32."""
+    mean, std = normalization.view(2, -1, 1, 1)
+    return pixels.float().sub_(mean).div_(std)
+
+
 def _uint8_image_patches(image, patch_size: int):
     """_image_patches of an unnormalized slice (whole pixel values, in float32 from the processor), as uint8."""
     import torch
