@@ -30,7 +30,10 @@ def clean_uploads(folder: str, max_age_s: float, keep: set[str]) -> int:
     for root, dirs, names in os.walk(folder, topdown=False):
         if root != folder and not dirs and not names:
             try:
-                os.rmdir(root)
+                # An empty folder made just now is an upload on its way in (Gradio makes the folder, then
+                # moves the file there): removing it failed that upload.
+                if os.path.getmtime(root) < cutoff:
+                    os.rmdir(root)
             except OSError:
                 pass
     return removed
