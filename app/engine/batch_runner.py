@@ -355,30 +355,51 @@ def _capture_stream():
     return torch.cuda.Stream()
 
 
-def _captured(run: Callable[[], torch.Tensor], pool, name: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """`run` captured as a CUDA graph in memory pool `pool`, with its output tensor. Two warm-up runs
-    first, on the capture's side stream as capture requires (kernels tuned per shape run their tuning
-    then, outside the capture)."""
-    started = torch.cuda.Event(enable_timing=True)
-    ended = torch.cuda.Event(enable_timing=True)
-    started.record()
-    stream = _capture_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    # Thread-local: request threads copy pixels to the GPU meanwhile (stage_media), on their own stream.
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        output = run()
-    ended.record()
-    torch.cuda.synchronize()
-    log.info("Captured %s in %.0f ms", name, started.elapsed_time(ended))
-    return graph, output
+class _GraphSet:
+    """Captured CUDA graphs of one kind, in one memory pool, valid while the store keeps its tensors."""
+
+    def __init__(self, runner: BatchRunner):
+        self.runner = runner
+        self.pool = None
+        self.captured: dict = {}
+        self.store_generation = None
+
+    def clear(self) -> None:
+        self.captured.clear()
+        self.pool = None
+
+    def _drop_if_stale(self) -> None:
+        """Forget every capture if the store has moved its tensors since they were made."""
+        if self.store_generation != self.runner.store.generation:
+            self.clear()
+            self.store_generation = self.runner.store.generation
+
+    def _capture(self, run: Callable[[], torch.Tensor], name: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`run` captured as a CUDA graph in this set's pool, with its output tensor. Two warm-up runs first,
+        on the capture's side stream as capture requires (kernels tuned per shape run their tuning then,
+        outside the capture)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        started = torch.cuda.Event(enable_timing=True)
+        ended = torch.cuda.Event(enable_timing=True)
+        started.record()
+        stream = _capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # Thread-local: request threads copy pixels to the GPU meanwhile (stage_media), on their own stream.
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            output = run()
+        ended.record()
+        torch.cuda.synchronize()
+        log.info("Captured %s in %.0f ms", name, started.elapsed_time(ended))
+        return graph, output
 
 
-class _PrefillGraphs:
+class _PrefillGraphs(_GraphSet):
     """The fused text prefill of small waves captured as a CUDA graph per (prompts, padded length).
 
     A lone prompt's text prefill is about a thousand kernels, launched from Python: 28-37 ms on an H200
@@ -386,18 +407,8 @@ class _PrefillGraphs:
     autocast and input checks 18 times; benchmarks/RESULTS.md). Replayed, the launches cost next to
     nothing. The prompts are front-padded with zero embeddings to the bucket's length
     (FusedTextModel.prefill_padded): their padding is computed but changes nothing, and the GPU had
-    time to spare. Captures are valid while the store keeps its tensors, as the decode step's.
+    time to spare.
     """
-
-    def __init__(self, runner: BatchRunner):
-        self.runner = runner
-        self.pool = None
-        self.captured: dict[tuple[int, int], tuple] = {}
-        self.store_generation = None
-
-    def clear(self) -> None:
-        self.captured.clear()
-        self.pool = None
 
     def capture_all(self, max_rows: int) -> None:
         """Capture every bucket that fits the store now, each with a throwaway prompt into the first slots."""
@@ -413,20 +424,18 @@ class _PrefillGraphs:
             length: int | None = None) -> torch.Tensor | None:
         """FusedTextModel.prefill's logits through a captured graph (captured now if need be), or None
         where no bucket holds the wave. `length`: the bucket's, rather than the smallest that holds it."""
-        store = self.runner.store
         length = length or next((size for size in PREFILL_GRAPH_LENGTHS if size >= max(lengths)), None)
-        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > store.column_capacity:
+        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > self.runner.store.column_capacity:
             return None
-        if self.store_generation != store.generation:
-            self.clear()
-            self.store_generation = store.generation
+        self._drop_if_stale()
         rows = len(lengths)
-        if (rows, length) not in self.captured:
+        captured = self.captured.get((rows, length))
+        if captured is None:
             device = self.runner.device
             static_embeddings = torch.zeros((rows * length, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
             static_places = torch.zeros(2 * rows, dtype=torch.long, device=device)  # padding, then slots
-            self.captured[rows, length] = (static_embeddings, static_places, None, None)
-        static_embeddings, static_places, graph, static_logits = self.captured[rows, length]
+        else:
+            static_embeddings, static_places, graph, static_logits = captured
         pads = [length - size for size in lengths]
         static_places.copy_(torch.tensor(pads + list(range(first_slot, first_slot + rows))).pin_memory(),
                             non_blocking=True)
@@ -435,15 +444,13 @@ class _PrefillGraphs:
         for row, (pad, size) in enumerate(zip(pads, lengths)):
             padded[row, pad:] = embeddings[start:start + size]
             start += size
-        if graph is None:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
+        if captured is None:
             # The warm-up runs write these prompts' own (free) slots, as the replay does next.
             try:
-                graph, static_logits = _captured(
+                graph, static_logits = self._capture(
                     lambda: self.runner.fused.prefill_padded(static_embeddings, static_places[:rows],
                                                              static_places[rows:]),
-                    self.pool, f"the prefill of {rows} prompts of up to {length} tokens")
+                    f"the prefill of {rows} prompts of up to {length} tokens")
             except RuntimeError as error:  # a kernel that cannot be captured (a library's new version, say)
                 log.warning("The prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
                 self.runner.prefill_graphs = None
@@ -451,27 +458,17 @@ class _PrefillGraphs:
             self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
             # The warm-up runs may have made the store's layers (its first prefill): no earlier capture can
             # have existed then, and this one uses them.
-            self.store_generation = store.generation
+            self.store_generation = self.runner.store.generation
         graph.replay()
         return static_logits
 
 
-class _DecodeGraphs:
+class _DecodeGraphs(_GraphSet):
     """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
 
     Padding rows decode a dummy token in free slots (their state is overwritten when a request takes
-    the slot). A capture is valid while the store keeps its tensors; growing the store recaptures.
+    the slot). Growing the store recaptures.
     """
-
-    def __init__(self, runner: BatchRunner):
-        self.runner = runner
-        self.pool = None
-        self.captured: dict[int, tuple] = {}
-        self.store_generation = None
-
-    def clear(self) -> None:
-        self.captured.clear()
-        self.pool = None
 
     def run(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
@@ -480,11 +477,9 @@ class _DecodeGraphs:
         if bucket is None:  # beyond the largest bucket: no graph, still correct
             return self.runner.decode_step(tokens.to(store.device), store.lengths[:n].clone())
         store.reserve(bucket, store.column_capacity)
-        if self.store_generation != store.generation:
-            self.clear()
-            self.store_generation = store.generation
+        self._drop_if_stale()
         if bucket not in self.captured:
-            self.captured[bucket] = self._capture(bucket)
+            self.captured[bucket] = self._capture_bucket(bucket)
         graph, static_tokens, static_positions, static_logits = self.captured[bucket]
         static_tokens.zero_()
         static_tokens[:n] = tokens
@@ -493,17 +488,15 @@ class _DecodeGraphs:
         graph.replay()
         return static_logits[:n]
 
-    def _capture(self, bucket: int):
+    def _capture_bucket(self, bucket: int):
         device = self.runner.device
         static_tokens = torch.zeros(bucket, dtype=torch.long, device=device)
         static_positions = torch.zeros(bucket, dtype=torch.long, device=device)
         # The warm-up runs write column 0 and the DeltaNet states of the bucket's slots, some of which
         # hold running requests: saved and restored.
         saved = self._save_column_zero(bucket)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph, static_logits = _captured(lambda: self.runner.decode_step(static_tokens, static_positions), self.pool,
-                                         f"the decode step for batch {bucket}")
+        graph, static_logits = self._capture(lambda: self.runner.decode_step(static_tokens, static_positions),
+                                             f"the decode step for batch {bucket}")
         self._restore(saved)
         return graph, static_tokens, static_positions, static_logits
 
