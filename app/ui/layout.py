@@ -61,7 +61,7 @@ def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
 def _wire_question(box, add, add_inputs: list, outputs: list, respond, settings, concurrency: int):
     """A question submitted from `box` as one event: `add` puts it into the history (its outputs: the
     chatbot, then the inputs it clears), then `respond` streams the reply; the box's stop control cancels
-    it, as in _wire_answer. Chained as two events, the reply's first text reached the page about 90 ms
+    it (_stop_cancels). Chained as two events, the reply's first text reached the page about 90 ms
     later (Gradio 6.31 in Chromium, a minimal app: 200-235 ms after Enter against 110-146)."""
 
     def added_then_answered(*values):
@@ -71,21 +71,23 @@ def _wire_question(box, add, add_inputs: list, outputs: list, respond, settings,
         for history in respond(added[0], *values[len(add_inputs):]):
             yield history, *unchanged
 
-    chatbot = outputs[0]
     answer = box.submit(on_zero_gpu(added_then_answered), [*add_inputs, *settings], outputs,
                         concurrency_id=MODEL_EVENTS, concurrency_limit=concurrency, api_visibility="undocumented")
-    box.stop(Handlers.end_stopped_reply, [chatbot], [chatbot], cancels=[answer], concurrency_limit=None,
-             api_visibility="private")
+    _stop_cancels(box, answer, outputs[0])
 
 
 def _wire_answer(trigger, respond, chatbot, settings, stop_target, concurrency: int):
-    """Stream a reply after `trigger` succeeds; the stop control cancels it, which takes the request out of the
-    batch, and marks reasoning it cut off as done."""
+    """Stream a reply after `trigger` succeeds; the stop control cancels it (_stop_cancels)."""
     answer = trigger.success(respond, [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
                              concurrency_limit=concurrency, api_visibility="undocumented")
+    _stop_cancels(stop_target, answer, chatbot)
+
+
+def _stop_cancels(stop_target, answer, chatbot) -> None:
+    """The stop control cancels `answer`, which takes the request out of the batch, and marks reasoning it
+    cut off as done."""
     stop_target.stop(Handlers.end_stopped_reply, [chatbot], [chatbot], cancels=[answer], concurrency_limit=None,
                      api_visibility="private")
-    return answer
 
 
 def build_demo(manager) -> gr.Blocks:
