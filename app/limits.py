@@ -70,6 +70,9 @@ FUSED_TEXT_MODEL = _limit("FUSED_TEXT_MODEL", 1)
 # 1: the vision tower runs as app.engine.fused_vision writes it where the checkpoint allows; 0: through
 # transformers' modules (tuned by app.engine.vision_tower).
 FUSED_VISION_TOWER = _limit("FUSED_VISION_TOWER", 1)
+# 1: on CUDA a wave's media are encoded on a stream of their own while running replies decode
+# (app.engine.batch_runner); 0: in the scheduler's turn, every reply waiting meanwhile.
+MEDIA_ALONGSIDE_DECODING = _limit("MEDIA_ALONGSIDE_DECODING", 1)
 STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels copied to the GPU ahead of their wave
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once

@@ -199,10 +199,13 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         # upload, Gradio's queue until the handler runs, and the first update's way back to the client).
         **({"outside_engine_ttft_ms_p50": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.5),
             "outside_engine_ttft_ms_p95": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.95)} if app else {}),
-        # Where the scheduler's time went over the whole level (the rest it waited for work).
+        # Where the scheduler's time went over the whole level (the rest it waited for work), and the
+        # media encoder's, which on a GPU runs on a stream of its own alongside both.
         "prefill_busy_share": round(busy["prefill"] / window, 3),
         "decode_busy_share": round(busy["decode"] / window, 3),
+        "vision_busy_share": round(busy["vision"] / window, 3),
         "prefill_ms_per_wave": round(1000 * busy["prefill"] / engine["prefill_waves"], 1) if engine["prefill_waves"] else None,
+        "vision_ms_per_wave": round(1000 * busy["vision"] / engine["prefill_waves"], 1) if engine["prefill_waves"] else None,
         "decode_ms_per_step": round(1000 * busy["decode"] / engine["decode_steps"], 2) if engine["decode_steps"] else None,
         # Cores each process used on average (this one: the users' threads, or in app mode the web server).
         "cpu_cores": {**cores, "clients": round(client_cores, 2)} if app else cores,

@@ -123,6 +123,50 @@ def test_stopping_one_request_mid_batch_leaves_the_others_unchanged(manager, tmp
     assert results == alone
 
 
+def test_running_replies_keep_decoding_while_a_newcomers_media_are_encoded(manager, tmp_path, monkeypatch):
+    """On CUDA a wave's media are encoded on a stream of their own while the running replies decode.
+    Here the newcomer's encoding says "not ready" for five polls: the running reply gets a token at each
+    of them, and both replies are what they are alone."""
+    running = user("Tell me a long story, please.", ("image", make_image(tmp_path, "r.png", (300, 200), (200, 40, 40))))
+    newcomer = user("And what is this?", ("image", make_image(tmp_path, "n.png", (500, 400), (40, 40, 200))))
+    alone = {"running": reply(manager, running, greedy(60)), "newcomer": reply(manager, newcomer, greedy(20))}
+    runner, metrics = manager.scheduler.runner, manager.metrics
+    encode_media_ahead, seen = runner.encode_media_ahead, []
+
+    class SlowEncoding:
+        def __init__(self, encoding):
+            self.encoding, self.polls, self.steps_at_start = encoding, 0, metrics.decode_steps
+            self.seconds = encoding.seconds
+            self.features = encoding.features
+            seen.append(self)
+
+        def ready(self, wait):
+            if not wait and self.polls < 5:
+                self.polls += 1
+                return False
+            self.steps_meanwhile = metrics.decode_steps - self.steps_at_start
+            return self.encoding.ready(wait)
+
+    monkeypatch.setattr(runner, "encode_media_ahead", lambda batch: SlowEncoding(encode_media_ahead(batch)))
+    results, first_text = {}, threading.Event()
+
+    def run_first():
+        for update in manager.stream(running, greedy(60)):
+            if update.text:
+                first_text.set()
+        results["running"] = update.text
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    assert first_text.wait(60)
+    results["newcomer"] = reply(manager, newcomer, greedy(20))
+    thread.join(120)
+    assert results == alone
+    first, second = seen
+    assert first.polls == 0  # alone, the scheduler waited for its media
+    assert second.polls == 5 and second.steps_meanwhile >= 5
+
+
 def test_16_clients_with_different_images_get_their_own_answers_in_shared_steps(server_url, tmp_path):
     requests = [(f"Client {i}: what do you see?", make_image(tmp_path, f"c{i}.png", (64 + 40 * i, 300 - 10 * i),
                                                               (15 * i, 255 - 15 * i, 100)))

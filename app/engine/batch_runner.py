@@ -5,11 +5,18 @@ The text model runs as app.engine.fused_text writes it out where the checkpoint 
 transformers' layers). On CUDA the decode step is captured as a CUDA graph per batch-size bucket and
 replayed: even fused, a step is a chain of a few hundred small kernels, and launching them from Python
 would cost more than running them. Elsewhere it runs eagerly.
+
+On CUDA a wave's media are encoded on a stream of their own (encode_media_ahead) while the running
+requests' decode steps go on, on a stream of higher priority (`serving_stream`). The vision tower's big
+waves are bound by matrix products, the decode step by memory: run one after the other, every running
+reply stalled for each wave (100-400 ms), and the GPU did one kind of work at a time.
 """
 
+import contextlib
 import functools
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -69,10 +76,17 @@ class BatchRunner:
         self.fused_vision = fused_vision_tower_for(model) if limits.FUSED_VISION_TOWER else None
         # Not with use_cuda_graphs=False either: on ZeroGPU the GPU exists only inside the callers' functions.
         self._staging = _PixelStaging(self.device) if use_cuda_graphs and self.device.type == "cuda" else None
+        # The scheduler's stream for prefills and decode steps; None: the thread's current one.
+        self.serving_stream = (_serving_stream(self.device) if use_cuda_graphs and self.device.type == "cuda"
+                               and limits.MEDIA_ALONGSIDE_DECODING else None)
         self.pixel_dtype = model.model.vision_tower.dtype
         self._normalizations: dict[tuple, torch.Tensor] = {}  # pixel normalization on the device
         if self.fused_vision is None:
             tune_vision_tower(model)
+
+    def on_serving_stream(self):
+        """A context in which GPU work goes to the serving stream (nothing changes without one)."""
+        return contextlib.nullcontext() if self.serving_stream is None else torch.cuda.stream(self.serving_stream)
 
     # Media ---------------------------------------------------------------------------------------
 
@@ -90,6 +104,21 @@ class BatchRunner:
                 staged = self._staging.stage(pixels)
                 if staged is not None:
                     tensors[key] = staged
+
+    def encode_media_ahead(self, batch: list[tuple[dict, str]]) -> "MediaEncoding":
+        """encode_media, on CUDA launched on the vision stream without waiting for it: the features are
+        ready when the returned MediaEncoding says so. Elsewhere computed at once."""
+        if self.serving_stream is None:
+            started = time.perf_counter()
+            features = self.encode_media(batch)
+            return MediaEncoding(features, None, time.perf_counter() - started)
+        stream = _vision_stream(self.device)
+        with torch.cuda.stream(stream):
+            started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started.record(stream)
+            features = self.encode_media(batch)
+            done.record(stream)
+        return MediaEncoding(features, (started, done), None)
 
     def encode_media(self, batch: list[tuple[dict, str]]) -> list[torch.Tensor | None]:
         """Visual features per request, from (processor tensors, downsample mode) pairs.
@@ -253,6 +282,10 @@ class BatchRunner:
         each quarter of `token_budget`, then the captured decode step of each batch bucket up to the
         wave's rows. Uses the slots freely, then leaves the store reserved for `max_rows` (see
         _reserve_batch). Returns the (rows, length) prefill shapes run."""
+        with self.on_serving_stream():  # where the scheduler uses the store next: no wait between streams
+            return self._warm_up_shapes(max_rows, token_budget)
+
+    def _warm_up_shapes(self, max_rows: int, token_budget: int) -> list[tuple[int, int]]:
         multiple = limits.PREFILL_LENGTH_MULTIPLE
         shapes, rows, decoded_up_to = [], 1, 0
         while rows <= max_rows and rows * multiple <= token_budget:
@@ -302,6 +335,38 @@ class BatchRunner:
             self.prefill_graphs.clear()
 
 
+class MediaEncoding:
+    """A wave's visual features (encode_media's list), computed at once or still being computed on the
+    vision stream; `events` (started, done) there, `seconds` the time taken where known at once."""
+
+    def __init__(self, features: list, events: tuple | None, seconds: float | None):
+        self._features, self._events, self._seconds = features, events, seconds
+
+    def ready(self, wait: bool) -> bool:
+        """Whether the features are computed; with `wait`, once they are (the host waits for the GPU)."""
+        if self._events is None:
+            return True
+        if wait:
+            self._events[1].synchronize()
+            return True
+        return self._events[1].query()
+
+    @property
+    def seconds(self) -> float:
+        """The encoding's time, once ready (on CUDA the vision stream's, alongside other work)."""
+        return self._seconds if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1000
+
+    def features(self) -> list[torch.Tensor | None]:
+        """The features, for use on the current stream (which waits for them, without the host waiting)."""
+        if self._events is not None:
+            stream = torch.cuda.current_stream(self._events[1].device)
+            stream.wait_event(self._events[1])
+            for feature in self._features:
+                if feature is not None:
+                    feature.record_stream(stream)  # made on the vision stream: not to be reused before this use
+        return self._features
+
+
 class StagedPixels:
     """A request's pixels copied to the GPU on the staging stream (BatchRunner.stage_media)."""
 
@@ -345,6 +410,20 @@ class _PixelStaging:
     def _release(self, size: int) -> None:
         with self._lock:
             self.staged -= size
+
+
+@functools.cache
+def _vision_stream(device) -> torch.cuda.Stream:
+    """The stream media are encoded on, one for the life of the process (see _capture_stream), at the
+    default priority, which is the lowest: the vision tower takes what the decode steps leave of the GPU."""
+    return torch.cuda.Stream(device)
+
+
+@functools.cache
+def _serving_stream(device) -> torch.cuda.Stream:
+    """The scheduler's stream for prefills and decode steps, one for the life of the process, at the
+    highest priority: a decode step's thread blocks go before the vision tower's waiting ones."""
+    return torch.cuda.Stream(device, priority=-100)  # beyond the range: its highest
 
 
 @functools.cache

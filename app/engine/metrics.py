@@ -61,7 +61,8 @@ class EngineMetrics:
             self.requests = dict.fromkeys(OUTCOMES, 0)
             self.decode_steps = 0
             self.prefill_waves = 0
-            self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # the scheduler's time on the GPU, by phase
+            # The scheduler's time on the GPU by phase, and the media encoder's (on CUDA it overlaps the others).
+            self.busy_seconds = {"prefill": 0.0, "decode": 0.0, "vision": 0.0}
             self.tokens_generated = 0
             self.ttft = Histogram(TTFT_BUCKETS_S)
             self.token_latency = Histogram(TOKEN_BUCKETS_S)
@@ -75,10 +76,15 @@ class EngineMetrics:
         with self._lock:
             self.ttft.observe(seconds)
 
-    def prefill_wave(self, seconds: float) -> None:
-        """The scheduler spent `seconds` encoding and prefilling a wave of newcomers."""
+    def prefill_work(self, seconds: float) -> None:
+        """The scheduler's thread spent `seconds` starting a wave's media encoding, or prefilling it."""
         with self._lock:
             self.busy_seconds["prefill"] += seconds
+
+    def wave_encoded(self, seconds: float) -> None:
+        """A wave's media took `seconds` to encode (on CUDA on a stream of their own, alongside the rest)."""
+        with self._lock:
+            self.busy_seconds["vision"] += seconds
             self.prefill_waves += 1
 
     def tokens(self, count: int, decode_seconds: float | None = None) -> None:
@@ -127,7 +133,8 @@ class EngineMetrics:
                       "# TYPE minicpmv_decode_steps_total counter", f"minicpmv_decode_steps_total {self.decode_steps}",
                       "# HELP minicpmv_prefill_waves_total Prefill waves run (newcomers encoded and prefilled together).",
                       "# TYPE minicpmv_prefill_waves_total counter", f"minicpmv_prefill_waves_total {self.prefill_waves}",
-                      "# HELP minicpmv_engine_busy_seconds_total Scheduler time spent running the model, by phase.",
+                      "# HELP minicpmv_engine_busy_seconds_total Time spent running the model, by phase "
+                      "(vision: encoding media, on a GPU alongside the other phases).",
                       "# TYPE minicpmv_engine_busy_seconds_total counter",
                       *(f'minicpmv_engine_busy_seconds_total{{phase="{phase}"}} {seconds}'
                         for phase, seconds in self.busy_seconds.items()),

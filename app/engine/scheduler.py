@@ -3,15 +3,17 @@
 Continuous batching with joins at step boundaries. One scheduler thread loops:
 
 1. admit waiting requests, first come first served, while slots are free: a wave of 1, 2, 4, 8...
-   requests holding at most limits.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so replies
-   already running keep streaming while a crowd arrives, and the GPU kernels meet few shapes;
-2. encode the media of everything admitted together, prefill the newcomers together into their slots
-   (app.engine.batch_cache) and choose their first tokens;
+   requests holding at most limits.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so the GPU
+   kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
+   of its own, so that the running replies' decode steps go on meanwhile);
+2. once a wave's media are encoded, prefill its requests together into their slots
+   (app.engine.batch_cache), choose their first tokens, and admit the next wave;
 3. run one decode step shared by every running request and hand each its token.
 
 Between steps a request that finished, was stopped, or whose client went away leaves its slot; the
 others never notice. Joining at step boundaries rather than in waves means a newcomer waits for at
-most one step and one prefill wave, not for the longest reply of a wave.
+most one wave's encoding and prefill, not for the longest reply of a wave. One wave is encoded at a
+time: the vision tower fills the GPU by itself from a few images on.
 
 Each request talks to its caller through its own `emit(kind, value)`: ("place", requests ahead),
 ("tokens", [ids]), ("end", timing) or ("error", exception). The caller turns tokens into text on its own
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from app import limits
-from app.engine.batch_runner import padded_length
+from app.engine.batch_runner import MediaEncoding, padded_length
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.engine.sampling import RowSettings, next_tokens
@@ -81,6 +83,7 @@ class Scheduler:
         self._changed = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # request i holds slot i
+        self._encoding: tuple[list[Request], MediaEncoding] | None = None  # a wave whose media are being encoded
         self._paused = False
         self._thread: threading.Thread | None = None
         metrics.gauges.update(queue_depth=lambda: self.waiting, batch_size=lambda: self.running)
@@ -103,7 +106,7 @@ class Scheduler:
         serve on as before and return False."""
         with self._changed:
             self._paused = True
-            if self._changed.wait_for(lambda: not self._running, timeout):
+            if self._changed.wait_for(lambda: not self._running and self._encoding is None, timeout):
                 return True
             self._paused = False
             self._changed.notify_all()
@@ -152,22 +155,26 @@ class Scheduler:
                 self._changed.wait(0.05)
 
     def _iteration(self, wait: bool) -> bool:
-        """Admit, prefill, decode once; False if there was nothing to do."""
-        admitted = self._next_admissions(wait)
-        if not admitted and not self._running:
+        """Admit a wave and start encoding its media, prefill the wave whose media are ready, decode once;
+        False if there was nothing to do."""
+        if self._encoding is None:
+            self._encode(self._next_admissions(wait))
+        if self._encoding is None and not self._running:
             return False
         try:
-            if admitted:
-                started = time.perf_counter()
-                self._start(admitted)
-                self.metrics.prefill_wave(time.perf_counter() - started)
-            self._leave(lambda request: request.cancelled.is_set())
-            if self._running:
-                self._decode_step()
+            with self.runner.on_serving_stream():
+                # With nothing running there is nothing to do meanwhile: wait for the media.
+                if self._encoding is not None and self._encoding[1].ready(wait=not self._running):
+                    self._prefill()
+                    self._encode(self._next_admissions(wait=False))
+                self._leave(lambda request: request.cancelled.is_set())
+                if self._running:
+                    self._decode_step()
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
             release_gpu_memory(error)
-            for request in self._running:
+            encoding, self._encoding = self._encoding, None
+            for request in self._running + (encoding[0] if encoding else []):
                 request.emit("error", error)
             self._leave(lambda request: True)
         return True
@@ -200,7 +207,8 @@ class Scheduler:
                     request.emit("place", place)
             return admitted
 
-    def _start(self, admitted: list[Request]) -> None:
+    def _encode(self, admitted: list[Request]) -> None:
+        """Start encoding the media of a wave of newcomers (self._encoding)."""
         now = time.perf_counter()
         for request in admitted:
             request.started_at = now
@@ -214,11 +222,26 @@ class Scheduler:
         if not admitted:
             return
         try:
-            features = self.runner.encode_media([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted])
+            encoding = self.runner.encode_media_ahead([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted])
+        except Exception as error:
+            release_gpu_memory(error)
             for request in admitted:
-                request.prepared.drop_pixels()
+                request.emit("error", error)
+            return
+        for request in admitted:
+            request.prepared.drop_pixels()
+        self._encoding = (admitted, encoding)
+        self.metrics.prefill_work(time.perf_counter() - now)
+
+    def _prefill(self) -> None:
+        """Prefill the wave whose media are encoded into the slots after the running requests', and hand
+        each its first token."""
+        started = time.perf_counter()
+        (admitted, encoding), self._encoding = self._encoding, None
+        self.metrics.wave_encoded(encoding.seconds)
+        try:
             columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
-            prompts = [(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, features)]
+            prompts = [(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, encoding.features())]
             logits = self.runner.prefill(prompts, len(self._running), columns)
         except Exception as error:
             release_gpu_memory(error)
@@ -230,6 +253,7 @@ class Scheduler:
                 request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
         self._running.extend(admitted)
         self._hand_out(admitted, logits)
+        self.metrics.prefill_work(time.perf_counter() - started)
 
     def _decode_step(self) -> None:
         import torch
