@@ -1,7 +1,7 @@
 """Preparing one request's inputs on one CPU core (`app/engine/inputs.py`), as a preparing worker does it:
 the benchmark's 1344x1344 PNG decoded, sliced (10 slices), cut into patches and cast to bf16, the prompt
 rendered and tokenized. The processor as transformers ships it (given a PIL image) against the one the
-app loads (patches cut by a reshape, given the decoded tensor), and the app's processor through one
+app loads (patches cut by a reshape, slices kept in uint8, given the decoded tensor), and the app's processor through one
 worker process (app.engine.preparers, as on a GPU box: the hop and the pixels' way back included); the
 decoding of the PNG alone is timed apart (the app's decoder and PIL's), and the same pixels as a JPEG. Only the processor's configuration matters here, so the tiny checkpoint (same
 image and video processors as the real one) stands in:
