@@ -489,20 +489,25 @@ class _PrefillGraphs(_GraphSet):
     time to spare.
     """
 
+    given_up = False  # a capture failed: every prefill is launched from Python
+
     def capture_all(self, max_rows: int) -> None:
         """Capture every bucket that fits the store now, each with a throwaway prompt into the first slots."""
         hidden = self.runner.embed.embedding_dim
         dtype = self.runner.embed.weight.dtype
         for rows in PREFILL_GRAPH_ROWS:
             for length in PREFILL_GRAPH_LENGTHS:
-                if rows <= max_rows and self.runner.prefill_graphs is self:  # not given up on
+                if rows <= max_rows and not self.given_up:
                     self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.runner.device), [1] * rows, 0,
                              length)
 
     def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int,
             length: int | None = None) -> torch.Tensor | None:
         """FusedTextModel.prefill's logits through a captured graph (captured now if need be), or None
-        where no bucket holds the wave. `length`: the bucket's, rather than the smallest that holds it."""
+        where no bucket holds the wave or capturing failed. `length`: the bucket's, rather than the smallest
+        that holds it."""
+        if self.given_up:
+            return None
         length = length or next((size for size in PREFILL_GRAPH_LENGTHS if size >= max(lengths)), None)
         if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > self.runner.store.column_capacity:
             return None
@@ -532,7 +537,7 @@ class _PrefillGraphs(_GraphSet):
                     f"the prefill of {rows} prompts of up to {length} tokens")
             except RuntimeError as error:  # a kernel that cannot be captured (a library's new version, say)
                 log.warning("The prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
-                self.runner.prefill_graphs = None
+                self.given_up = True
                 return None
             self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
             # The warm-up runs may have made the store's layers (its first prefill): no earlier capture can
