@@ -58,6 +58,20 @@ def test_bad_upload_is_refused_before_the_model(handlers, tmp_path):
         handlers.add_chat_message({"text": " ", "files": []}, None, [])
 
 
+def test_an_image_broken_past_its_header_is_explained_in_the_reply(handlers, manager, red_image, tmp_path):
+    """Only the header is read when a file is attached (decoding it there would put a second decoding
+    before every first token): a PNG cut short gets into the chat, and the reply says it is unreadable."""
+    full = open(make_image(tmp_path, "full.png", (800, 600)), "rb").read()
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(full[: len(full) // 3])
+    history, _, _ = handlers.add_chat_message({"text": "What?", "files": [str(cut)]}, None, [])
+    _, final = run(handlers, manager, history)
+    assert final[-1]["metadata"]["title"].startswith("⚠️") and "could not be read" in final[-1]["content"]
+    history, _, _ = handlers.add_chat_message({"text": "And this?", "files": [red_image]}, None, final)
+    _, after = run(handlers, manager, history)
+    assert after[-1]["metadata"]["title"].startswith("640 visual tokens")
+
+
 def test_failed_turn_is_removed_and_explained(handlers, manager, red_image, tmp_path):
     _, good = run(handlers, manager, [{"role": "user", "content": {"path": red_image}}, {"role": "user", "content": "Hi"}])
     broken = tmp_path / "vanished.png"

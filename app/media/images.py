@@ -23,6 +23,14 @@ def load_image(path: str) -> Image.Image:
         return upright.convert("RGB")
 
 
+def check_image(path: str) -> None:
+    """Refuse what load_image would refuse from the file's header alone (not an image, too many
+    pixels), without decoding the pixels. A file whose pixels are broken past its header is refused
+    when they are decoded for the model, with the same message."""
+    with _opened(path):
+        pass
+
+
 def load_image_pixels(path: str):
     """The image as an upright RGB uint8 tensor [3, height, width], as load_image's pixels, faster for
     JPEG and PNG. Other formats, and PNGs of 16 bits a channel, go through PIL."""
