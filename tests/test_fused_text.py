@@ -183,13 +183,14 @@ def test_front_padded_prefill_equals_packed_prefill(config, tmp_path):
         # The delta rule runs in fp32 (transformers' version casts to it) in chunks that start elsewhere
         # here: 1e-3 (a mistake in the padding costs O(1): a wrong mask gave 2.6).
         torch.testing.assert_close(logits, packed, rtol=1e-3, atol=1e-3)
-        for (keys, values, conv, recurrent), (ours_k, ours_v, ours_c, ours_r) in [(expected, snapshot(store))]:
-            for layer in conv:
-                torch.testing.assert_close(ours_c[layer][1:4], conv[layer][1:4], rtol=1e-3, atol=1e-3)
-                torch.testing.assert_close(ours_r[layer][1:4], recurrent[layer][1:4], rtol=1e-3, atol=1e-3)
-            for layer in keys:
-                for slot, size in zip((1, 2, 3), lengths):  # the prompt's columns; padding wrote after them
-                    torch.testing.assert_close(ours_k[layer][slot, :, :size], keys[layer][slot, :, :size],
-                                               rtol=1e-3, atol=1e-3)
-                    torch.testing.assert_close(ours_v[layer][slot, :, :size], values[layer][slot, :, :size],
-                                               rtol=1e-3, atol=1e-3)
+        keys, values, conv, recurrent = expected
+        ours_k, ours_v, ours_c, ours_r = snapshot(store)
+        for layer in conv:
+            torch.testing.assert_close(ours_c[layer][1:4], conv[layer][1:4], rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(ours_r[layer][1:4], recurrent[layer][1:4], rtol=1e-3, atol=1e-3)
+        for layer in keys:
+            for slot, size in zip((1, 2, 3), lengths):  # the prompt's columns; padding wrote after them
+                torch.testing.assert_close(ours_k[layer][slot, :, :size], keys[layer][slot, :, :size],
+                                           rtol=1e-3, atol=1e-3)
+                torch.testing.assert_close(ours_v[layer][slot, :, :size], values[layer][slot, :, :size],
+                                           rtol=1e-3, atol=1e-3)
