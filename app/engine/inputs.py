@@ -101,7 +101,8 @@ def _uint8_slices(image_processor, images: list, do_resize: bool, resample, do_r
     """MiniCPMV4_6ImageProcessor._preprocess for _leave_images_unnormalized: the same source view and
     slices, cut into patches the same way, left in uint8. The method as shipped turns every slice into
     float32 before rescaling and normalizing, which are off here; without that conversion and the one
-    back, preparing a 1344x1344 PNG took 46.5 ms on a core of the H200 box, against 62.2 (RESULTS.md)."""
+    back, preparing a 1344x1344 PNG took 46.5 ms on a core of an H200 box (62.2 before, on another box of
+    the same kind; benchmarks/RESULTS.md)."""
     import torch
     from transformers.image_processing_utils import BatchFeature
     from transformers.image_transforms import divide_to_patches
