@@ -73,6 +73,9 @@ FUSED_VISION_TOWER = _limit("FUSED_VISION_TOWER", 1)
 # 1: on CUDA a wave's media are encoded on a stream of their own while running replies decode
 # (app.engine.batch_runner); 0: in the scheduler's turn, every reply waiting meanwhile.
 MEDIA_ALONGSIDE_DECODING = _limit("MEDIA_ALONGSIDE_DECODING", 1)
+# SMs that the vision tower's matrix products leave free while media are encoded alongside decoding (cuBLAS's
+# SM carve-out, experimental in PyTorch): the products otherwise fill every SM, and decode steps wait.
+VISION_SM_CARVEOUT = _limit("VISION_SM_CARVEOUT", 0)
 STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels copied to the GPU ahead of their wave
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once

@@ -147,7 +147,7 @@ def test_running_replies_keep_decoding_while_a_newcomers_media_are_encoded(manag
             self.steps_meanwhile = metrics.decode_steps - self.steps_at_start
             return self.encoding.ready(wait)
 
-    monkeypatch.setattr(runner, "encode_media_ahead", lambda batch: SlowEncoding(encode_media_ahead(batch)))
+    monkeypatch.setattr(runner, "encode_media_ahead", lambda batch, decoding: SlowEncoding(encode_media_ahead(batch, decoding)))
     results, first_text = {}, threading.Event()
 
     def run_first():

@@ -105,15 +105,16 @@ class BatchRunner:
                 if staged is not None:
                     tensors[key] = staged
 
-    def encode_media_ahead(self, batch: list[tuple[dict, str]]) -> "MediaEncoding":
+    def encode_media_ahead(self, batch: list[tuple[dict, str]], decoding: bool) -> "MediaEncoding":
         """encode_media, on CUDA launched on the vision stream without waiting for it: the features are
-        ready when the returned MediaEncoding says so. Elsewhere computed at once."""
+        ready when the returned MediaEncoding says so. Elsewhere computed at once. `decoding`: replies
+        decode meanwhile, and the tower's matrix products leave them limits.VISION_SM_CARVEOUT SMs."""
         if self.serving_stream is None:
             started = time.perf_counter()
             features = self.encode_media(batch)
             return MediaEncoding(features, None, time.perf_counter() - started)
         stream = _vision_stream(self.device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), _matmuls_leaving_sms(limits.VISION_SM_CARVEOUT if decoding else 0):
             started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record(stream)
             features = self.encode_media(batch)
@@ -410,6 +411,20 @@ class _PixelStaging:
     def _release(self, size: int) -> None:
         with self._lock:
             self.staged -= size
+
+
+@contextlib.contextmanager
+def _matmuls_leaving_sms(count: int):
+    """cuBLAS's matrix products launched meanwhile use all SMs but `count` (0: all)."""
+    if not count:
+        yield
+        return
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(count)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
 
 
 @functools.cache

@@ -222,7 +222,8 @@ class Scheduler:
         if not admitted:
             return
         try:
-            encoding = self.runner.encode_media_ahead([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted])
+            encoding = self.runner.encode_media_ahead([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted],
+                                                      decoding=bool(self._running))
         except Exception as error:
             release_gpu_memory(error)
             for request in admitted:

@@ -1,0 +1,111 @@
+"""A wave's vision tower and the running replies' decode steps on the GPU at once, against taking turns,
+by how many SMs the tower's matrix products leave free (limits.VISION_SM_CARVEOUT).
+
+At 200 users the scheduler encodes a wave's media on a stream of its own while the running replies keep
+decoding (BatchRunner.encode_media_ahead). The tower's matrix products fill every SM, so the decode
+steps mostly wait for them. This runs one wave of --wave images beside decode steps of --batch replies,
+as the scheduler does (a step, then its tokens read back), and reports for each carve-out: the wave's
+time, the steps done meanwhile, and the gain over taking turns: (the wave alone + that many steps
+alone) / the time both took. Random weights at the real 4.6 shape; run on a GPU machine:
+
+    python benchmarks/side_by_side.py --carveouts 0,8,16,32 --json side.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from app import limits  # noqa: E402
+from app.config import AppConfig  # noqa: E402
+from app.engine.manager import ModelManager  # noqa: E402
+from app.engine.settings import GenerationSettings  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--wave", type=int, default=16, help="images encoded together")
+    parser.add_argument("--batch", type=int, default=128, help="replies decoding meanwhile")
+    parser.add_argument("--carveouts", default="0,8,16,32", help="SMs the tower's products leave free")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import torch
+
+    manager = ModelManager(AppConfig(model=ensure_real_shape_checkpoint(DEFAULT_FOLDER), prepare_processes=0))
+    manager.load()
+    runner = manager.scheduler.runner
+    _, messages = benchmark_request()
+    settings = GenerationSettings(max_new_tokens=128, do_sample=False)
+    prepared = manager.prepare(messages, settings)
+    wave = [(prepared.tensors, settings.downsample_mode)] * args.wave
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "wave": args.wave,
+               "batch": args.batch, "sms": torch.cuda.get_device_properties(0).multi_processor_count, "runs": []}
+
+    with torch.inference_mode(), runner.on_serving_stream():
+        room = limits.RESERVED_COLUMNS  # as served: the steps below stay within it (lengths are reset)
+        runner.store.reserve(args.batch, room)
+        runner.prefill([(prepared.tensors["input_ids"], runner.encode_media(wave[:1])[0], prepared.canvas)], 0, room)
+        for slot in range(1, args.batch):
+            runner.store.move(0, slot)
+        start_lengths = runner.store.lengths.clone()
+        tokens = torch.randint(1000, 100000, (args.batch,))
+
+        def step():
+            runner.decode(tokens).argmax(-1).tolist()  # the scheduler reads each step's tokens back
+
+        def median(values):
+            return sorted(values)[len(values) // 2]
+
+        def steps_alone_ms(count=30):
+            step()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(count):
+                step()
+            runner.store.lengths.copy_(start_lengths)
+            return (time.perf_counter() - started) / count * 1000
+
+        def wave_alone_ms(carved: bool):
+            encoding = runner.encode_media_ahead(wave, decoding=carved)
+            encoding.ready(wait=True)
+            return encoding.seconds * 1000
+
+        decode_ms = steps_alone_ms()
+        wave_alone_ms(False)
+        turns_wave_ms = median([wave_alone_ms(False) for _ in range(args.runs)])  # every SM: as when taking turns
+        print(json.dumps({"decode_ms_alone": round(decode_ms, 3), "wave_alone_ms": round(turns_wave_ms, 1)}), flush=True)
+        for carveout in [int(c) for c in args.carveouts.split(",")]:
+            limits.VISION_SM_CARVEOUT = carveout
+            alone = median([wave_alone_ms(True) for _ in range(args.runs)])
+            trials = []
+            for _ in range(args.runs):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                encoding = runner.encode_media_ahead(wave, decoding=True)
+                steps = 0
+                while not encoding.ready(wait=False):
+                    step()
+                    steps += 1
+                encoding.ready(wait=True)
+                both_ms = (time.perf_counter() - started) * 1000
+                runner.store.lengths.copy_(start_lengths)
+                trials.append((both_ms, steps, encoding.seconds * 1000))
+            both_ms, steps, wave_ms = median(trials)
+            run = {"carveout": carveout, "wave_alone_ms": round(alone, 1), "wave_beside_steps_ms": round(wave_ms, 1),
+                   "steps_meanwhile": steps, "ms_per_step_meanwhile": round(both_ms / max(steps, 1), 2),
+                   "gain_over_turns": round((turns_wave_ms + steps * decode_ms) / both_ms, 3)}
+            results["runs"].append(run)
+            print(json.dumps(run), flush=True)
+    results.update(decode_ms_alone=round(decode_ms, 3), wave_alone_ms=round(turns_wave_ms, 1))
+    write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
