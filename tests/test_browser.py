@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.conftest import ARTIFACTS, wait_for
+from tests.conftest import ARTIFACTS, make_image, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 STATS_LINE = re.compile(r"\d[\d,]* visual tokens · first token")
@@ -77,6 +77,27 @@ def test_chat_with_an_image_streams_a_reply(page, red_image):
     assert len(growing) >= 4, lengths  # the reply was seen at several lengths while it streamed
     assert page.get_by_text(STATS_LINE).inner_text().startswith("640 visual tokens")
     assert page.locator("img[src*='red']").count() >= 1  # the attached image is shown in the chat
+
+
+def test_a_question_whose_image_fails_stays_in_its_box(browser, server_url, tmp_path):
+    """A PNG cut short passes the attachment check (its header is whole) and fails in the engine: the reply
+    says so, and the typed question and its attachment are back in the box, ready to fix and send again."""
+    full = open(make_image(tmp_path, "whole.png", (800, 600)), "rb").read()
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(full[: len(full) // 3])
+    page = open_page(browser, server_url)
+    try:
+        page.locator("#chat-input input[type=file]").set_input_files(str(cut))
+        page.locator("#chat-input textarea").fill("What does this page say?")
+        page.wait_for_timeout(500)  # the upload finishes before sending
+        page.locator("#chat-input textarea").press("Enter")
+        page.get_by_text("could not be read as an image").first.wait_for(timeout=30_000)
+        assert wait_for(lambda: page.locator("#chat-input textarea").input_value() == "What does this page say?", 10)
+        assert page.locator("#chat-input [aria-label='File thumbnail'] img[src$='/cut.png']").count() == 1
+        assert "What does this page say?" not in chat_text(page)  # the failed turn left the conversation
+        page.screenshot(path=os.path.join(ARTIFACTS, "failed-question.png"), full_page=True)
+    finally:
+        page.close()
 
 
 def test_stop_button_halts_generation(page, manager):

@@ -4,6 +4,7 @@ import gradio as gr
 import pytest
 
 from app.ui.handlers import SETTING_KEYS, Handlers
+from app.ui.layout import question_then_answer
 from tests.conftest import make_image
 
 
@@ -70,6 +71,30 @@ def test_an_image_broken_past_its_header_is_explained_in_the_reply(handlers, man
     history, _, _ = handlers.add_chat_message({"text": "And this?", "files": [red_image]}, None, final)
     _, after = run(handlers, manager, history)
     assert after[-1]["metadata"]["title"].startswith("640 visual tokens")
+
+
+def test_a_failed_question_goes_back_to_its_box(handlers, manager, red_image, tmp_path):
+    """As wired in the page: when the reply fails, the question's turn is removed and the box gets back
+    what was sent (its text and files, and the camera's photo); a question answered leaves them cleared."""
+    full = open(make_image(tmp_path, "full.png", (800, 600)), "rb").read()
+    cut = tmp_path / "cut.png"
+    cut.write_bytes(full[: len(full) // 3])
+    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond)
+    sent = {"text": "What is on this page?", "files": [str(cut)]}
+    updates = list(answer(sent, red_image, [], *settings_values(manager)))
+    assert updates[0][1:] == (None, None)  # cleared as it was sent
+    history, box, camera = updates[-1]
+    assert history[-1]["metadata"]["title"].startswith("⚠️") and len(history) == 1
+    assert box == sent and camera == red_image
+
+    updates = list(answer({"text": "And now?", "files": [red_image]}, None, history, *settings_values(manager)))
+    history, box, camera = updates[-1]
+    assert history[-1]["metadata"]["title"].startswith("640 visual tokens")
+    assert isinstance(box, type(gr.skip())) and isinstance(camera, type(gr.skip()))
+
+    ask_multi = question_then_answer(handlers.add_multi_image_question, 3, handlers.respond)
+    history, box = list(ask_multi("Compare them.", [str(cut), red_image], [], *settings_values(manager)))[-1]
+    assert history[-1]["metadata"]["title"].startswith("⚠️") and box == "Compare them."
 
 
 def test_failed_turn_is_removed_and_explained(handlers, manager, red_image, tmp_path):

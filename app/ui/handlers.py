@@ -98,6 +98,11 @@ def error_message(text: str) -> dict:
     return {"role": "assistant", "content": text, "metadata": {"title": "⚠️ " + text, "status": "done"}}
 
 
+def ends_in_error(history: list) -> bool:
+    """Whether the last reply failed: its turn was removed and error_message put in its place."""
+    return bool(history) and (history[-1].get("metadata") or {}).get("title", "").startswith("⚠️ ")
+
+
 def _without_last_turn(history: list) -> list:
     """History up to (not including) the last run of user messages: what to keep when a turn fails."""
     end = len(history)

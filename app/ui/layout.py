@@ -8,7 +8,7 @@ from app import limits
 from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import serving_slots
 from app.engine.presets import PRESETS
-from app.ui.handlers import SETTING_KEYS, Handlers, model_header
+from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, model_header
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
@@ -58,21 +58,32 @@ def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
                       buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id)
 
 
-def _wire_question(box, add, add_inputs: list, outputs: list, respond, settings, concurrency: int):
-    """A question submitted from `box` as one event: `add` puts it into the history (its outputs: the
-    chatbot, then the inputs it clears), then `respond` streams the reply; the box's stop control cancels
-    it (_stop_cancels). Chained as two events, the reply's first text reached the page about 90 ms
-    later (Gradio 6.31 in Chromium, a minimal app: 200-235 ms after Enter against 110-146)."""
+def question_then_answer(add, inputs: int, respond):
+    """One event's function for a question: `add` takes the first `inputs` values and puts the question
+    into the history (it returns the history, then new values for the first inputs, which it clears);
+    `respond` streams the reply from the history and the remaining values (the settings). Chained as two
+    events, the reply's first text reached the page about 90 ms later (Gradio 6.31 in Chromium, a minimal
+    app: 200-235 ms after Enter against 110-146). If the reply fails (an unreadable image, a busy demo),
+    the cleared inputs get back what was submitted, so that the question is not lost with its turn."""
 
     def added_then_answered(*values):
-        added = add(*values[:len(add_inputs)])
+        added = add(*values[:inputs])
         yield added
-        unchanged = [gr.skip()] * (len(added) - 1)
-        for history in respond(added[0], *values[len(add_inputs):]):
-            yield history, *unchanged
+        cleared = len(added) - 1
+        history = added[0]
+        for history in respond(added[0], *values[inputs:]):
+            yield history, *[gr.skip()] * cleared
+        if ends_in_error(history):
+            yield history, *values[:cleared]
 
-    answer = box.submit(on_zero_gpu(added_then_answered), [*add_inputs, *settings], outputs,
-                        concurrency_id=MODEL_EVENTS, concurrency_limit=concurrency, api_visibility="undocumented")
+    return added_then_answered
+
+
+def _wire_question(box, add, add_inputs: list, outputs: list, respond, settings, concurrency: int):
+    """A question submitted from `box` as one event (question_then_answer): `outputs` are the chatbot, then
+    the first of `add_inputs` that `add` clears; the box's stop control cancels it (_stop_cancels)."""
+    answer = box.submit(on_zero_gpu(question_then_answer(add, len(add_inputs), respond)), [*add_inputs, *settings],
+                        outputs, concurrency_id=MODEL_EVENTS, concurrency_limit=concurrency, api_visibility="undocumented")
     _stop_cancels(box, answer, outputs[0])
 
 
