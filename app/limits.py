@@ -73,8 +73,10 @@ FUSED_VISION_TOWER = _limit("FUSED_VISION_TOWER", 1)
 # 1: on CUDA a wave's media are encoded on a stream of their own while running replies decode
 # (app.engine.batch_runner); 0: in the scheduler's turn, every reply waiting meanwhile.
 MEDIA_ALONGSIDE_DECODING = _limit("MEDIA_ALONGSIDE_DECODING", 1)
-# SMs that the vision tower's matrix products leave free while media are encoded alongside decoding (cuBLAS's
-# SM carve-out, experimental in PyTorch): the products otherwise fill every SM, and decode steps wait.
+# SMs that the vision tower's matrix products leave free while replies decode beside a wave (cuBLAS's SM
+# carve-out, experimental in PyTorch): the products otherwise fill every SM, and decode steps wait. On an
+# H200 at 200 users, 66 (half) gave 8-26% more tokens/s and a later first token (benchmarks/RESULTS.md):
+# off by default, as a chat's users weigh the first token most.
 VISION_SM_CARVEOUT = _limit("VISION_SM_CARVEOUT", 0)
 STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels copied to the GPU ahead of their wave
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)

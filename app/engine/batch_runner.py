@@ -9,7 +9,10 @@ would cost more than running them. Elsewhere it runs eagerly.
 On CUDA a wave's media are encoded on a stream of their own (encode_media_ahead) while the running
 requests' decode steps go on, on a stream of higher priority (`serving_stream`). The vision tower's big
 waves are bound by matrix products, the decode step by memory: run one after the other, every running
-reply stalled for each wave (100-400 ms), and the GPU did one kind of work at a time.
+reply stalled for each wave (100-400 ms), and the GPU did one kind of work at a time. Side by side they
+still mostly take turns: cuBLAS's products keep their thread blocks on every SM until they end, so a
+decode step waits for each (2 steps in a 16-image wave of 157 ms on an H200), unless the products are
+told to leave SMs free (limits.VISION_SM_CARVEOUT; benchmarks/side_by_side.py).
 """
 
 import contextlib

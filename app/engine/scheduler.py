@@ -5,7 +5,7 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
 1. admit waiting requests, first come first served, while slots are free: a wave of 1, 2, 4, 8...
    requests holding at most limits.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so the GPU
    kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
-   of its own, so that the running replies' decode steps go on meanwhile);
+   of its own, so that the running replies' decode steps can go on meanwhile: see app.engine.batch_runner);
 2. once a wave's media are encoded, prefill its requests together into their slots
    (app.engine.batch_cache), choose their first tokens, and admit the next wave;
 3. run one decode step shared by every running request and hand each its token.
