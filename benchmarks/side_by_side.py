@@ -6,7 +6,9 @@ decoding (BatchRunner.encode_media_ahead). The tower's matrix products fill ever
 steps mostly wait for them. This runs one wave of --wave images beside decode steps of --batch replies,
 as the scheduler does (a step, then its tokens read back), and reports for each carve-out: the wave's
 time, the steps done meanwhile, and the gain over taking turns: (the wave alone + that many steps
-alone) / the time both took. Random weights at the real 4.6 shape; run on a GPU machine:
+alone) / the time both took. Also how long the host waits, while a wave runs, to launch it and to copy
+a request's pixels (pageable, as the engine does, and pinned) and a step's tokens to the GPU.
+Random weights at the real 4.6 shape; run on a GPU machine:
 
     python benchmarks/side_by_side.py --carveouts 0,8,16,32 --json side.json
 """
@@ -77,6 +79,40 @@ def main() -> None:
             encoding.ready(wait=True)
             return encoding.seconds * 1000
 
+        # What the host waits for while a wave runs: launching the wave itself, then (each in a wave of its
+        # own) copying a request's pixels to the GPU as stage_media does (pageable memory), the same from
+        # pinned memory, and a decode step's tokens as the captured step takes them.
+        staged = prepared.tensors["pixel_values"]
+        pageable = (staged.on_device() if hasattr(staged, "on_device") else staged).cpu()
+        pinned = pageable.pin_memory()
+        copy_stream = torch.cuda.Stream()
+        token_buffer = torch.zeros(args.batch, dtype=torch.long, device="cuda")
+
+        def pixels_copy(source):
+            with torch.cuda.stream(copy_stream):
+                source.to("cuda", non_blocking=True)
+
+        def tokens_copy():
+            token_buffer[:] = tokens
+
+        def host_waits_ms() -> dict:
+            waits = {}
+            for name, action in (("pageable_pixels", lambda: pixels_copy(pageable)),
+                                 ("pinned_pixels", lambda: pixels_copy(pinned)), ("step_tokens", tokens_copy)):
+                launches, times = [], []
+                for _ in range(args.runs):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    encoding = runner.encode_media_ahead(wave, decoding=True)
+                    launched = time.perf_counter()
+                    action()
+                    times.append((time.perf_counter() - launched) * 1000)
+                    launches.append((launched - started) * 1000)
+                    encoding.ready(wait=True)
+                waits[f"host_ms_{name}"] = round(median(times), 2)
+            waits["host_ms_launching_the_wave"] = round(median(launches), 2)
+            return waits
+
         decode_ms = steps_alone_ms()
         wave_alone_ms(False)
         turns_wave_ms = median([wave_alone_ms(False) for _ in range(args.runs)])  # every SM: as when taking turns
@@ -100,7 +136,7 @@ def main() -> None:
             both_ms, steps, wave_ms = median(trials)
             run = {"carveout": carveout, "wave_alone_ms": round(alone, 1), "wave_beside_steps_ms": round(wave_ms, 1),
                    "steps_meanwhile": steps, "ms_per_step_meanwhile": round(both_ms / max(steps, 1), 2),
-                   "gain_over_turns": round((turns_wave_ms + steps * decode_ms) / both_ms, 3)}
+                   "gain_over_turns": round((turns_wave_ms + steps * decode_ms) / both_ms, 3), **host_waits_ms()}
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
     results.update(decode_ms_alone=round(decode_ms, 3), wave_alone_ms=round(turns_wave_ms, 1))
