@@ -45,6 +45,11 @@ def _own_threads() -> dict[str, float]:
     return used
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by process `pid`, all its threads together."""
+    return _cpu_seconds(f"/proc/{pid}/stat")
+
+
 def own_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -64,9 +69,9 @@ class CpuUse:
     def _read(self) -> dict:
         return {
             "this_process": own_cpu_seconds(),
-            "engine_process": _cpu_seconds(f"/proc/{self.engine_pid}/stat") if self.engine_pid != os.getpid() else 0.0,
-            "preparers": sum(_cpu_seconds(f"/proc/{pid}/stat") for pid in self.workers),
-            **({"web_processes": sum(_cpu_seconds(f"/proc/{pid}/stat") for pid in self.web)} if self.web else {}),
+            "engine_process": process_cpu_seconds(self.engine_pid) if self.engine_pid != os.getpid() else 0.0,
+            "preparers": sum(process_cpu_seconds(pid) for pid in self.workers),
+            **({"web_processes": sum(process_cpu_seconds(pid) for pid in self.web)} if self.web else {}),
             "threads": _own_threads(),
         }
 
