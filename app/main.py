@@ -14,6 +14,12 @@ from app.zerogpu import on_zero_gpu
 
 log = logging.getLogger("app")
 
+# Each time an event ends, Gradio summarizes its last 10,000 events with pandas for its /monitoring page:
+# 4-5 ms of a web process's CPU a request, 14-20 once a busy server has seen 10,000 events (dev core;
+# benchmarks/gradio_analytics.py). The app serves /metrics and its own panel instead: the page is off,
+# and the summary is never made.
+GRADIO_SETTINGS = {"GRADIO_ANALYTICS_CACHE_FREQUENCY": str(2**62)}
+
 
 def load_manager(config: AppConfig) -> ModelManager:
     manager = get_manager(config)
@@ -50,6 +56,8 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
     # pick its backend, matplotlib imports pyplot and builds its font cache there, in the server's event
     # loop (seconds on a fresh machine: the first reply on an H200 box reached its client 13 s late).
     os.environ.setdefault("MPLBACKEND", "agg")
+    for name, value in GRADIO_SETTINGS.items():
+        os.environ.setdefault(name, value)
     import gradio as gr
 
     from app.ui.layout import CSS_PATH, build_demo
@@ -66,7 +74,7 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
                 prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=quiet,
                 footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
-                max_threads=serving_slots(config) + 40,
+                max_threads=serving_slots(config) + 40, enable_monitoring=False,
                 # Part of the app from its first request (a route added after launch() returns, which
                 # with --share is after the share-link attempt, answered 404 until then).
                 app_kwargs={"routes": [metrics_route(manager)]})
