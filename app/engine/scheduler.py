@@ -172,10 +172,8 @@ class Scheduler:
                     self._decode_step()
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
-            release_gpu_memory(error)
             encoding, self._encoding = self._encoding, None
-            for request in self._running + (encoding[0] if encoding else []):
-                request.emit("error", error)
+            fail(self._running + (encoding[0] if encoding else []), error)
             self._leave(lambda request: True)
         return True
 
@@ -225,9 +223,7 @@ class Scheduler:
             encoding = self.runner.encode_media_ahead([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted],
                                                       decoding=bool(self._running))
         except Exception as error:
-            release_gpu_memory(error)
-            for request in admitted:
-                request.emit("error", error)
+            fail(admitted, error)
             return
         for request in admitted:
             request.prepared.drop_pixels()
@@ -245,9 +241,7 @@ class Scheduler:
             prompts = [(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, encoding.features())]
             logits = self.runner.prefill(prompts, len(self._running), columns)
         except Exception as error:
-            release_gpu_memory(error)
-            for request in admitted:
-                request.emit("error", error)
+            fail(admitted, error)
             return
         for request in admitted:
             if request.settings.repetition_penalty != 1.0:
@@ -326,6 +320,13 @@ class Scheduler:
 def stream_update_interval(running: int) -> float:
     """Seconds between two updates of one reply while `running` replies stream (see STREAM_UPDATES_PER_S)."""
     return max(limits.STREAM_UPDATE_INTERVAL_S, running / limits.STREAM_UPDATES_PER_S)
+
+
+def fail(requests: list[Request], error: Exception) -> None:
+    """Give `error` to each of `requests`, after releasing what an out-of-memory left cached."""
+    release_gpu_memory(error)
+    for request in requests:
+        request.emit("error", error)
 
 
 def release_gpu_memory(error: Exception) -> None:
