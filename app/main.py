@@ -14,11 +14,18 @@ from app.zerogpu import on_zero_gpu
 
 log = logging.getLogger("app")
 
-# Each time an event ends, Gradio summarizes its last 10,000 events with pandas for its /monitoring page:
-# 4-5 ms of a web process's CPU a request, 14-20 once a busy server has seen 10,000 events (dev core;
-# benchmarks/gradio_analytics.py). The app serves /metrics and its own panel instead: the page is off,
-# and the summary is never made.
-GRADIO_SETTINGS = {"GRADIO_ANALYTICS_CACHE_FREQUENCY": str(2**62)}
+# Set before Gradio is imported, unless already set:
+GRADIO_SETTINGS = {
+    # Gradio wraps every event step in a matplotlib backend switch when matplotlib is installed; left to
+    # pick its backend, matplotlib imports pyplot and builds its font cache there, in the server's event
+    # loop (seconds on a fresh machine: the first reply on an H200 box reached its client 13 s late).
+    "MPLBACKEND": "agg",
+    # Each time an event ends, Gradio summarizes its last 10,000 events with pandas for its /monitoring
+    # page: 4-5 ms of a web process's CPU a request, 14-20 once a busy server has seen 10,000 events (dev
+    # core, CPU time; benchmarks/gradio_analytics.py). The app serves /metrics and its own panel
+    # instead: the page is off (launch), and the summary is never made.
+    "GRADIO_ANALYTICS_CACHE_FREQUENCY": str(2**62),
+}
 
 
 def load_manager(config: AppConfig) -> ModelManager:
@@ -52,10 +59,6 @@ def use_upload_folder(config: AppConfig) -> str:
 
 def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool = False, quiet: bool = False):
     """Serve the UI; returns the Blocks (and keeps serving in the background) when prevent_thread_lock is set."""
-    # Gradio wraps every event step in a matplotlib backend switch when matplotlib is installed; left to
-    # pick its backend, matplotlib imports pyplot and builds its font cache there, in the server's event
-    # loop (seconds on a fresh machine: the first reply on an H200 box reached its client 13 s late).
-    os.environ.setdefault("MPLBACKEND", "agg")
     for name, value in GRADIO_SETTINGS.items():
         os.environ.setdefault(name, value)
     import gradio as gr

@@ -94,13 +94,16 @@ def waiting_message(ahead: int) -> dict:
     return {"role": "assistant", "content": "", "metadata": {"title": text, "status": "pending"}}
 
 
+ERROR_TITLE = "⚠️ "  # starts the title of error_message, and of nothing else in a chat
+
+
 def error_message(text: str) -> dict:
-    return {"role": "assistant", "content": text, "metadata": {"title": "⚠️ " + text, "status": "done"}}
+    return {"role": "assistant", "content": text, "metadata": {"title": ERROR_TITLE + text, "status": "done"}}
 
 
 def ends_in_error(history: list) -> bool:
     """Whether the last reply failed: its turn was removed and error_message put in its place."""
-    return bool(history) and (history[-1].get("metadata") or {}).get("title", "").startswith("⚠️ ")
+    return bool(history) and (history[-1].get("metadata") or {}).get("title", "").startswith(ERROR_TITLE)
 
 
 def _without_last_turn(history: list) -> list:
