@@ -195,6 +195,10 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         "preprocess_ms_p95": percentile([r[4]["preprocess_ms"] for r in results], 0.95),
         "queue_ms_p50": percentile([r[4]["queue_ms"] for r in results], 0.5),
         "queue_ms_p95": percentile([r[4]["queue_ms"] for r in results], 0.95),
+        # From the scheduler's loop to the reply's consumer (in app mode a web process, through the pipe
+        # from the engine's process).
+        "first_token_delivery_ms_p50": percentile([r[4].get("first_token_delivery_ms", 0) for r in results], 0.5),
+        "first_token_delivery_ms_p95": percentile([r[4].get("first_token_delivery_ms", 0) for r in results], 0.95),
         # App mode: the part of the client's time to first token spent outside the engine's reply (the
         # upload, Gradio's queue until the handler runs, and the first update's way back to the client).
         **({"outside_engine_ttft_ms_p50": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.5),

@@ -407,7 +407,7 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
     in this process and one run in the engine process (app.engine.engine_process).
     """
     outcome = "stopped"
-    prepared = None
+    prepared = first_received_at = None
     try:
         while True:
             while wait_for_events is not None and events.empty():
@@ -424,6 +424,7 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
             elif kind == "place":
                 yield ReplyUpdate(text="", waiting_ahead=value)
             elif kind == "tokens":
+                first_received_at = first_received_at or time.perf_counter()
                 for token in value:
                     text.add(token)
                 if events.empty():  # else the consumer fell behind (a busy web server): one update for all
@@ -436,6 +437,8 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
     stats = dict(prepared["counts"])
     stats.update(timing_stats(value["new_tokens"], requested_at, prepared["prepared_at"], value["started_at"],
                               value["first_token_at"], time.perf_counter()))
+    if first_received_at is not None:  # how long the first token took to come here from the engine's loop
+        stats["first_token_delivery_ms"] = round((first_received_at - value["first_token_at"]) * 1000, 1)
     yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats)
 
 

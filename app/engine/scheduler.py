@@ -32,7 +32,7 @@ from app import limits
 from app.engine.batch_runner import MediaEncoding, padded_length
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
-from app.engine.sampling import RowSettings, next_tokens
+from app.engine.sampling import RowSettings, as_list, next_tokens
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 
@@ -260,8 +260,8 @@ class Scheduler:
     def _hand_out(self, requests: list[Request], logits, decode_started: float | None = None) -> None:
         """Choose each request's next token from its row of `logits`, hand it over, and free the slots of
         requests that ended; `decode_started` is set for a decode step (timed), not for a prefill."""
-        chosen = next_tokens(logits, [r.row for r in requests], [r.seen for r in requests],
-                             [r.barred_from_ending for r in requests], self._end_token_ids).tolist()
+        chosen = as_list(next_tokens(logits, [r.row for r in requests], [r.seen for r in requests],
+                                     [r.barred_from_ending for r in requests], self._end_token_ids))
         now = time.perf_counter()
         self.metrics.tokens(len(requests), None if decode_started is None else now - decode_started)
         # The clock and the update interval once a step, not once a request: this loop runs for every
