@@ -31,6 +31,7 @@ def test_streamed_image_answer(client, red_image):
     assert len(updates) >= 3  # several updates arrived before the end
     assert stats["done"] and stats["visual_tokens"] == 640 and stats["image_tokens"] == [640]
     assert stats["new_tokens"] == 64 and stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
+    assert 0 <= stats["first_token_delivery_ms"] < stats["ttft_ms"]
     assert reply and updates[0][0] != reply  # the reply grew
 
 
