@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app import limits  # noqa: E402
 from app.config import AppConfig  # noqa: E402
 from app.engine.manager import ModelManager  # noqa: E402
-from app.engine.sampling import as_list  # noqa: E402
+from app.engine.sampling import TokensOnTheirWay  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> None:
         def step():  # the scheduler reads each step's tokens back: as it does (pinned), or with .tolist()
             chosen = runner.decode(tokens).argmax(-1)
             if readback["mode"] == "pinned":
-                as_list(chosen)
+                TokensOnTheirWay(chosen).tolist()
             else:
                 chosen.tolist()
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from app.engine.sampling import RowSettings, as_list, next_tokens
+from app.engine.sampling import RowSettings, TokensOnTheirWay, next_tokens
 
 GREEDY = RowSettings(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
 END = torch.tensor([3, 7])
@@ -26,7 +26,7 @@ def test_greedy_takes_the_argmax_and_a_barred_row_never_ends():
     allowed = logits[1].clone()
     allowed[END] = float("-inf")
     assert chosen[0] == logits[0].argmax() and chosen[1] == allowed.argmax() and chosen[2] == 7
-    assert as_list(chosen) == [logits[0].argmax().item(), allowed.argmax().item(), 7]
+    assert TokensOnTheirWay(chosen).tolist() == [logits[0].argmax().item(), allowed.argmax().item(), 7]
 
 
 def test_a_repetition_penalty_turns_greedy_away_from_seen_tokens():

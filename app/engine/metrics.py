@@ -87,14 +87,22 @@ class EngineMetrics:
             self.busy_seconds["vision"] += seconds
             self.prefill_waves += 1
 
-    def tokens(self, count: int, decode_seconds: float | None = None) -> None:
-        """A batch step produced `count` tokens (one per row); a decode step also says how long it took."""
+    def decode_work(self, seconds: float) -> None:
+        """The scheduler's thread spent `seconds` on decode steps (launching one, handing out another)."""
+        with self._lock:
+            self.busy_seconds["decode"] += seconds
+
+    def decode_step(self, seconds: float, count: int) -> None:
+        """A decode step gave `count` tokens, `seconds` after it was launched."""
+        with self._lock:
+            self.decode_steps += 1
+            self.token_latency.observe(seconds, count)
+        self.tokens(count)
+
+    def tokens(self, count: int) -> None:
+        """`count` tokens were generated."""
         now = time.monotonic()
         with self._lock:
-            if decode_seconds is not None:
-                self.decode_steps += 1
-                self.busy_seconds["decode"] += decode_seconds
-                self.token_latency.observe(decode_seconds, count)
             self.tokens_generated += count
             self._recent_tokens.append((now, count))
             while self._recent_tokens and self._recent_tokens[0][0] < now - 10:

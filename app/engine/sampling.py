@@ -42,17 +42,29 @@ def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.
     return chosen
 
 
-def as_list(chosen: torch.Tensor) -> list[int]:
-    """The chosen tokens on the host. From a GPU, through pinned memory and a wait on the stream, not
-    `.tolist()`: its synchronous copy to pageable memory, while a decode step waited behind a wave of
-    images, also held up other threads' CUDA calls. On an H200, staging a request's pixels took 25-28 ms
-    instead of 1.4, and preparing a request 132-134 ms instead of 74 (benchmarks/side_by_side.py)."""
-    if not chosen.is_cuda:
-        return chosen.tolist()
-    host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-    host.copy_(chosen, non_blocking=True)
-    torch.cuda.current_stream(chosen.device).synchronize()
-    return host.tolist()
+class TokensOnTheirWay:
+    """Chosen tokens on their way to the host: the copy starts at once, and tolist() waits for it alone,
+    not for what the GPU was given since.
+
+    From a GPU, through pinned memory and a CUDA event rather than `.tolist()`: its synchronous copy to
+    pageable memory, while a decode step waited behind a wave of images, also held up other threads' CUDA
+    calls. On an H200, staging a request's pixels took 25-28 ms instead of 1.4, and preparing a request
+    132-134 ms instead of 74 (benchmarks/side_by_side.py)."""
+
+    def __init__(self, chosen: torch.Tensor):
+        self._copied = None
+        if chosen.is_cuda:
+            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+            self._host.copy_(chosen, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = chosen
+
+    def tolist(self) -> list[int]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
 
 
 def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:

@@ -8,7 +8,12 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
    of its own, so that the running replies' decode steps can go on meanwhile: see app.engine.batch_runner);
 2. once a wave's media are encoded, prefill its requests together into their slots
    (app.engine.batch_cache), choose their first tokens, and admit the next wave;
-3. run one decode step shared by every running request and hand each its token.
+3. launch one decode step shared by every running request, then hand each its token from the step
+   before, which the host reads while this one runs. The next step's input is the last one's output,
+   already on the GPU, so the GPU need not wait for the host's bookkeeping between steps: on an H200 a
+   lone reply's step took 1.45-1.53 ms in the scheduler against 1.16-1.17 for the captured step alone
+   (benchmarks/RESULTS.md). A request that ended at the step handed out is in the step running and gets
+   no more tokens from it; before anyone joins or leaves, the step in flight is handed out.
 
 Between steps a request that finished, was stopped, or whose client went away leaves its slot; the
 others never notice. Joining at step boundaries rather than in waves means a newcomer waits for at
@@ -32,7 +37,7 @@ from app import limits
 from app.engine.batch_runner import MediaEncoding, padded_length
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
-from app.engine.sampling import RowSettings, as_list, next_tokens
+from app.engine.sampling import RowSettings, TokensOnTheirWay, next_tokens
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 
@@ -52,7 +57,8 @@ class Request:
     first_token_at: float | None = None
     generated: list[int] = field(default_factory=list)
     last_token: int | None = None
-    seen: object = None  # token ids seen so far, kept only under a repetition penalty
+    done: bool = False  # it ended: it leaves at the next step boundary
+    seen: object = None  # token ids seen so far (on the device), kept only under a repetition penalty
     delivered: int = 0  # generated tokens already handed to the caller
     delivered_at: float = 0.0
     place: int | None = None
@@ -62,9 +68,14 @@ class Request:
         s = self.settings
         return RowSettings(s.do_sample, s.temperature, s.top_k, s.top_p, s.repetition_penalty)
 
-    @property
-    def barred_from_ending(self) -> bool:
-        return len(self.generated) < self.settings.min_new_tokens
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A decode step launched and not yet handed out."""
+    requests: list[Request]  # its rows, in slot order
+    chosen: object  # each row's next token, on the device: the next step's input
+    read_back: TokensOnTheirWay
+    launched_at: float
 
 
 class Scheduler:
@@ -84,6 +95,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # request i holds slot i
         self._encoding: tuple[list[Request], MediaEncoding] | None = None  # a wave whose media are being encoded
+        self._in_flight: LaunchedStep | None = None  # its requests are self._running, in the same order
         self._paused = False
         self._thread: threading.Thread | None = None
         metrics.gauges.update(queue_depth=lambda: self.waiting, batch_size=lambda: self.running)
@@ -165,14 +177,19 @@ class Scheduler:
             with self.runner.on_serving_stream():
                 # With nothing running there is nothing to do meanwhile: wait for the media.
                 if self._encoding is not None and self._encoding[1].ready(wait=not self._running):
+                    self._settle()
                     self._prefill()
                     self._encode(self._next_admissions(wait=False))
-                self._leave(lambda request: request.cancelled.is_set())
+                if any(request.cancelled.is_set() for request in self._running):
+                    self._settle()
+                    self._leave(lambda request: request.cancelled.is_set())
                 if self._running:
                     self._decode_step()
+                if self.inline:  # on ZeroGPU the GPU is the caller's only during its call: nothing stays in flight
+                    self._settle()
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
-            encoding, self._encoding = self._encoding, None
+            encoding, self._encoding, self._in_flight = self._encoding, None, None
             fail(self._running + (encoding[0] if encoding else []), error)
             self._leave(lambda request: True)
         return True
@@ -247,48 +264,80 @@ class Scheduler:
             if request.settings.repetition_penalty != 1.0:
                 request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
         self._running.extend(admitted)
-        self._hand_out(admitted, logits)
+        self._hand_out(admitted, TokensOnTheirWay(self._choose(admitted, logits, ahead=0)).tolist())
+        self.metrics.tokens(len(admitted))
+        self._leave_if_done()
         self.metrics.prefill_work(time.perf_counter() - started)
 
     def _decode_step(self) -> None:
+        """Launch a decode step for every running request, then hand out the step before it (see the
+        module's docstring); the step launched stays in flight."""
         import torch
 
         started = time.perf_counter()
-        logits = self.runner.decode(torch.tensor([request.last_token for request in self._running]))
-        self._hand_out(self._running, logits, decode_started=started)
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            tokens = torch.tensor([request.last_token for request in self._running])
+        else:
+            tokens = previous.chosen
+        chosen = self._choose(self._running, self.runner.decode(tokens), ahead=int(previous is not None))
+        self._in_flight = LaunchedStep(list(self._running), chosen, TokensOnTheirWay(chosen), started)
+        if previous is not None:
+            self._hand_out_step(previous)
+            if any(request.done for request in self._running):  # they leave, which moves slots: settle first
+                self._settle()
+        self.metrics.decode_work(time.perf_counter() - started)
 
-    def _hand_out(self, requests: list[Request], logits, decode_started: float | None = None) -> None:
-        """Choose each request's next token from its row of `logits`, hand it over, and free the slots of
-        requests that ended; `decode_started` is set for a decode step (timed), not for a prefill."""
-        chosen = as_list(next_tokens(logits, [r.row for r in requests], [r.seen for r in requests],
-                                     [r.barred_from_ending for r in requests], self._end_token_ids))
-        now = time.perf_counter()
-        self.metrics.tokens(len(requests), None if decode_started is None else now - decode_started)
-        # The clock and the update interval once a step, not once a request: this loop runs for every
-        # running request at every step, on the thread that launches the next one, so the GPU's decode
-        # stream waits for it (benchmarks/scheduler_step.py, 200 requests, a dev core: 0.8 ms, 1.1-1.5 before).
-        interval = stream_update_interval(len(self._running))
-        ended = [self._take(request, token, now, interval) for request, token in zip(requests, chosen)]
-        if any(ended):
-            self._leave(lambda request: request.last_token is None)
+    def _settle(self) -> None:
+        """Hand out the step in flight, if any, and free the slots of the requests that ended."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._hand_out_step(step)
+        self._leave_if_done()
 
-    def _take(self, request: Request, token: int, now: float, interval: float) -> bool:
-        """Record `token` for its request; a request that ends gets last_token None (it leaves after the
-        step) and True is returned."""
+    def _choose(self, requests: list[Request], logits, ahead: int):
+        """Each request's next token from its row of `logits`, on the device; `ahead`: tokens chosen for
+        each and not handed out yet (they count towards its minimum length)."""
         import torch
 
+        barred = [len(r.generated) + ahead < r.settings.min_new_tokens for r in requests]
+        chosen = next_tokens(logits, [r.row for r in requests], [r.seen for r in requests], barred, self._end_token_ids)
+        for row, request in enumerate(requests):
+            if request.seen is not None:  # on the device, so that the next step's choice need not wait
+                request.seen = torch.cat([request.seen, chosen[row:row + 1]])
+        return chosen
+
+    def _hand_out_step(self, step: LaunchedStep) -> None:
+        tokens = step.read_back.tolist()
+        self.metrics.decode_step(time.perf_counter() - step.launched_at, sum(not r.done for r in step.requests))
+        self._hand_out(step.requests, tokens)
+
+    def _hand_out(self, requests: list[Request], tokens: list[int]) -> None:
+        """Hand each request that has not ended its token."""
+        now = time.perf_counter()
+        # The clock and the update interval once a step, not once a request: this loop runs for every
+        # running request at every step, on the thread that launches the GPU's work (benchmarks/scheduler_step.py,
+        # 200 requests, a dev core: 0.8 ms, 1.1-1.5 before).
+        interval = stream_update_interval(len(self._running))
+        for request, token in zip(requests, tokens):
+            if not request.done:
+                self._take(request, token, now, interval)
+
+    def _take(self, request: Request, token: int, now: float, interval: float) -> None:
+        """Record `token` for its request, which is done if it ends here (it leaves after the step)."""
         ended = token in self._end_token_set
         if not ended:
             if request.first_token_at is None:
                 request.first_token_at = now
                 self.metrics.first_token(now - request.requested_at)
             request.generated.append(token)
-            if request.seen is not None:
-                request.seen = torch.cat([request.seen, torch.tensor([token], device=request.seen.device)])
             ended = len(request.generated) >= request.settings.max_new_tokens
-        request.last_token = None if ended else token
+        request.last_token, request.done = token, ended
         self._deliver(request, ended, now, interval)
-        return ended
+
+    def _leave_if_done(self) -> None:
+        if any(request.done for request in self._running):
+            self._leave(lambda request: request.done)
 
     def _deliver(self, request: Request, ended: bool, now: float, interval: float) -> None:
         """Hand new tokens to the caller: the first at once, then at most every `interval` seconds.
