@@ -13,7 +13,8 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
    already on the GPU, so the GPU need not wait for the host's bookkeeping between steps: on an H200 a
    lone reply's step took 1.45-1.53 ms in the scheduler against 1.16-1.17 for the captured step alone
    (benchmarks/RESULTS.md). A request that ended at the step handed out is in the step running and gets
-   no more tokens from it; before anyone joins or leaves, the step in flight is handed out.
+   no more tokens from it; before anyone joins or leaves, the step in flight is handed out. So a request
+   stopped by its caller is in at most two more steps, where it was in one.
 
 Between steps a request that finished, was stopped, or whose client went away leaves its slot; the
 others never notice. Joining at step boundaries rather than in waves means a newcomer waits for at
