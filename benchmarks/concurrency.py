@@ -61,7 +61,7 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
     """(time to first token in ms as the client saw it, the reply's stats), through gradio_client."""
     from gradio_client import handle_file
 
-    started = time.perf_counter()
+    started, submitted_at = time.perf_counter(), time.time()
     first = None
     job = client.submit(QUESTION, [handle_file(image_path)], settings, api_name="/ask")
     for reply, _ in streamed_outputs(job, poll_s=0.01):  # 200 users' threads: 10 ms polls
@@ -70,7 +70,7 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
             raise Aborted
         if reply and first is None:
             first = time.perf_counter()
-    return round(((first or time.perf_counter()) - started) * 1000, 1), job.result()[1]
+    return round(((first or time.perf_counter()) - started) * 1000, 1), {**job.result()[1], "submitted_at": submitted_at}
 
 
 def drive_users(users: int, stop_issuing: float, deadline: float, make_requester) -> tuple[list, list, int]:
@@ -174,6 +174,9 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
     ended = max([r[3] for r in results], default=time.time())
     window = ended - started
     ttfts, latencies = [r[0] for r in results], [r[1] for r in results]
+    if app:
+        to_engine = [(r[4]["requested_at"] - r[4]["submitted_at"]) * 1000 for r in results]
+        from_engine = [r[0] - to - r[4]["ttft_ms"] for r, to in zip(results, to_engine)]
     engine = metrics.snapshot()
     busy = engine["busy_seconds"]
     attempted = len(results) + len(failures) + unfinished
@@ -202,7 +205,12 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         # App mode: the part of the client's time to first token spent outside the engine's reply (the
         # upload, Gradio's queue until the handler runs, and the first update's way back to the client).
         **({"outside_engine_ttft_ms_p50": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.5),
-            "outside_engine_ttft_ms_p95": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.95)} if app else {}),
+            "outside_engine_ttft_ms_p95": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.95),
+            # ...split (this host's clock): from the client's submit to the web process asking the engine,
+            # and from the engine's first token to the client seeing it.
+            "to_engine_ms_p50": percentile(to_engine, 0.5), "to_engine_ms_p95": percentile(to_engine, 0.95),
+            "from_engine_ms_p50": percentile(from_engine, 0.5), "from_engine_ms_p95": percentile(from_engine, 0.95)}
+           if app else {}),
         # Where the scheduler's time went over the whole level (the rest it waited for work), and the
         # media encoder's, which on a GPU runs on a stream of its own alongside both.
         "prefill_busy_share": round(busy["prefill"] / window, 3),

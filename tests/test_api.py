@@ -32,6 +32,7 @@ def test_streamed_image_answer(client, red_image):
     assert stats["done"] and stats["visual_tokens"] == 640 and stats["image_tokens"] == [640]
     assert stats["new_tokens"] == 64 and stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
     assert 0 <= stats["first_token_delivery_ms"] < stats["ttft_ms"]
+    assert time.time() - 60 < stats["requested_at"] <= time.time()
     assert reply and updates[0][0] != reply  # the reply grew
 
 

@@ -439,6 +439,7 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
                               value["first_token_at"], time.perf_counter()))
     if first_received_at is not None:  # how long the first token took to come here from the engine's loop
         stats["first_token_delivery_ms"] = round((first_received_at - value["first_token_at"]) * 1000, 1)
+    stats["requested_at"] = round(time.time() - (time.perf_counter() - requested_at), 3)  # Unix time
     yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats)
 
 
