@@ -61,6 +61,9 @@ def test_the_engine_runs_in_another_process(engine):
 
 def test_every_preparing_worker_is_started_and_ready_with_the_preparer(tmp_path):
     """Not started one by one as requests find none idle (some were still importing as users came)."""
+    import torch
+
+    from app.engine.inputs import load_processor, prepare_inputs
     from app.engine.preparers import ProcessPreparer
     from app.engine.random_checkpoint import ensure_tiny_checkpoint
 
@@ -68,8 +71,15 @@ def test_every_preparing_worker_is_started_and_ready_with_the_preparer(tmp_path)
     try:
         workers = list(preparer._pool._processes.values())
         assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
-        prepared = preparer.prepare(user("What is it?", make_image(tmp_path, "p.png")), GenerationSettings(), 4096)
+        messages = user("What is it?", make_image(tmp_path, "p.png"))
+        prepared = preparer.prepare(messages, GenerationSettings(), 4096)
         assert prepared.visual_tokens == 640
+        # What came back (small tensors by value, the pixels in shared memory) is what is prepared here.
+        here = prepare_inputs(load_processor(ensure_tiny_checkpoint(), False), messages, GenerationSettings(), 4096)
+        assert prepared.tensors.keys() == here.tensors.keys()
+        for key, value in here.tensors.items():
+            if isinstance(value, torch.Tensor):
+                assert isinstance(prepared.tensors[key], torch.Tensor) and torch.equal(prepared.tensors[key], value), key
     finally:
         preparer.close()
 

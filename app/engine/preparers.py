@@ -22,6 +22,8 @@ from app.engine.settings import GenerationSettings
 
 log = logging.getLogger(__name__)
 
+BY_VALUE_BYTES = 2**20  # a worker's tensors smaller than this come back through the pipe (see _prepare)
+
 
 def preparer_processes(requested: int, device) -> int:
     """Worker processes to prepare inputs: `requested`, or for -1 half the cores (at most 8) on CUDA, none elsewhere."""
@@ -71,7 +73,9 @@ class ProcessPreparer:
         log.info("Inputs are prepared in %d worker processes", workers)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
-        return self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype).result()
+        prepared = self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype).result()
+        prepared.tensors = _from_arrays(prepared.tensors)
+        return prepared
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
@@ -98,4 +102,26 @@ def _exit_with_parent() -> None:
 
 
 def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int, pixel_dtype) -> PreparedInputs:
-    return prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype)
+    """In a worker: the pixels go back in shared memory, the small tensors (the prompt's ids, the slices'
+    sizes...) by value, as numpy arrays. Shared, each of those takes a segment of its own and about 1 ms to
+    pass its file descriptor: returning 4 of them took 3.3-5.4 ms against 0.6-0.7 by value, and a whole
+    preparation through a worker 1-2 ms less at the median (a dev core). The pixels through the pipe
+    instead: 36 ms against 12 for 6 MB."""
+    prepared = prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype)
+    prepared.tensors = _small_as_arrays(prepared.tensors)
+    return prepared
+
+
+def _small_as_arrays(tensors: dict) -> dict:
+    import torch
+
+    return {key: value.numpy() if isinstance(value, torch.Tensor) and value.nbytes < BY_VALUE_BYTES
+            and value.dtype != torch.bfloat16 else value  # numpy has no bfloat16
+            for key, value in tensors.items()}
+
+
+def _from_arrays(tensors: dict) -> dict:
+    import numpy
+    import torch
+
+    return {key: torch.from_numpy(value) if isinstance(value, numpy.ndarray) else value for key, value in tensors.items()}
