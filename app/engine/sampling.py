@@ -57,7 +57,7 @@ class TokensOnTheirWay:
             self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
             self._host.copy_(chosen, non_blocking=True)
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(chosen.device))
         else:
             self._host = chosen
 
