@@ -104,9 +104,9 @@ def _exit_with_parent() -> None:
 def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int, pixel_dtype) -> PreparedInputs:
     """In a worker: the pixels go back in shared memory, the small tensors (the prompt's ids, the slices'
     sizes...) by value, as numpy arrays. Shared, each of those takes a segment of its own and about 1 ms to
-    pass its file descriptor: returning 4 of them took 3.3-5.4 ms against 0.6-0.7 by value, and a whole
+    pass its file descriptor: returning 4 of them took 3.3-6.0 ms against 0.6-0.8 by value, and a whole
     preparation through a worker 1-2 ms less at the median (a dev core). The pixels through the pipe
-    instead: 36 ms against 12 for 6 MB."""
+    instead: 32-36 ms against 11-13 for 6 MB (benchmarks/worker_hop.py)."""
     prepared = prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype)
     prepared.tensors = _small_as_arrays(prepared.tensors)
     return prepared
