@@ -73,6 +73,21 @@ def test_greedy_reply_is_the_same_alone_and_in_a_batch(manager, tmp_path):
     assert manager.metrics.decode_steps - steps_before < 2 * 39
 
 
+def test_each_request_keeps_its_own_lengths_and_penalty_in_a_batch(manager, tmp_path):
+    """One reply ends at its first token, one has a repetition penalty, one may end after a minimum:
+    together they are what each is alone (each step's tokens are handed out while the next step runs)."""
+    settings = {"one token": GenerationSettings(max_new_tokens=1, do_sample=False),
+                "exactly 5": greedy(5),
+                "penalised": GenerationSettings(max_new_tokens=30, min_new_tokens=30, do_sample=False, repetition_penalty=1.3),
+                "3 to 17": GenerationSettings(max_new_tokens=17, min_new_tokens=3, do_sample=False)}
+    conversations = {key: user(f"Question {i}?", ("image", make_image(tmp_path, f"{i}.png", (200 + 50 * i, 300), (30 * i, 90, 200))))
+                     for i, key in enumerate(settings)}
+    alone = {key: reply(manager, conversations[key], settings[key]) for key in settings}
+    assert together(list(settings), lambda key: reply(manager, conversations[key], settings[key])) == alone
+    plain = reply(manager, conversations["penalised"], greedy(30))
+    assert plain != alone["penalised"]  # the penalty changed that reply, so its equality means something
+
+
 def test_a_running_reply_holds_no_pixels(manager, tmp_path):
     """Once a request's features are computed its pixels go (12 MB for one 1344x1344 image, kept
     through the whole reply before), images and video alike."""
