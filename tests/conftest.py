@@ -69,6 +69,15 @@ def make_image(folder, name: str, size=(1344, 1344), color=(200, 30, 30)) -> str
     return path
 
 
+def truncated_png(folder, name: str = "truncated.png") -> str:
+    """A PNG cut to its first third: its header is whole, its pixels are not."""
+    data = open(make_image(folder, "whole-" + name, (800, 600)), "rb").read()
+    path = os.path.join(str(folder), name)
+    with open(path, "wb") as file:
+        file.write(data[: len(data) // 3])
+    return path
+
+
 def make_video(folder, name: str = "clip.mp4", seconds: float = 10, fps: int = 24, size=(320, 240),
                fourcc: str = "mp4v") -> str:
     """A video whose frame i shows i in binary as 8 black/white stripes, so a decoded frame tells its index."""

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.conftest import ARTIFACTS, make_image, wait_for
+from tests.conftest import ARTIFACTS, truncated_png, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 STATS_LINE = re.compile(r"\d[\d,]* visual tokens · first token")
@@ -82,12 +82,10 @@ def test_chat_with_an_image_streams_a_reply(page, red_image):
 def test_a_question_whose_image_fails_stays_in_its_box(browser, server_url, tmp_path):
     """A PNG cut short passes the attachment check (its header is whole) and fails in the engine: the reply
     says so, and the typed question and its attachment are back in the box, ready to fix and send again."""
-    full = open(make_image(tmp_path, "whole.png", (800, 600)), "rb").read()
-    cut = tmp_path / "cut.png"
-    cut.write_bytes(full[: len(full) // 3])
+    cut = truncated_png(tmp_path, "cut.png")
     page = open_page(browser, server_url)
     try:
-        page.locator("#chat-input input[type=file]").set_input_files(str(cut))
+        page.locator("#chat-input input[type=file]").set_input_files(cut)
         page.locator("#chat-input textarea").fill("What does this page say?")
         page.wait_for_timeout(500)  # the upload finishes before sending
         page.locator("#chat-input textarea").press("Enter")

@@ -5,7 +5,7 @@ import pytest
 
 from app.ui.handlers import SETTING_KEYS, Handlers
 from app.ui.layout import question_then_answer
-from tests.conftest import make_image
+from tests.conftest import make_image, truncated_png
 
 
 @pytest.fixture
@@ -62,10 +62,8 @@ def test_bad_upload_is_refused_before_the_model(handlers, tmp_path):
 def test_an_image_broken_past_its_header_is_explained_in_the_reply(handlers, manager, red_image, tmp_path):
     """Only the header is read when a file is attached (decoding it there would put a second decoding
     before every first token): a PNG cut short gets into the chat, and the reply says it is unreadable."""
-    full = open(make_image(tmp_path, "full.png", (800, 600)), "rb").read()
-    cut = tmp_path / "cut.png"
-    cut.write_bytes(full[: len(full) // 3])
-    history, _, _ = handlers.add_chat_message({"text": "What?", "files": [str(cut)]}, None, [])
+    cut = truncated_png(tmp_path)
+    history, _, _ = handlers.add_chat_message({"text": "What?", "files": [cut]}, None, [])
     _, final = run(handlers, manager, history)
     assert final[-1]["metadata"]["title"].startswith("⚠️") and "could not be read" in final[-1]["content"]
     history, _, _ = handlers.add_chat_message({"text": "And this?", "files": [red_image]}, None, final)
@@ -76,11 +74,9 @@ def test_an_image_broken_past_its_header_is_explained_in_the_reply(handlers, man
 def test_a_failed_question_goes_back_to_its_box(handlers, manager, red_image, tmp_path):
     """As wired in the page: when the reply fails, the question's turn is removed and the box gets back
     what was sent (its text and files, and the camera's photo); a question answered leaves them cleared."""
-    full = open(make_image(tmp_path, "full.png", (800, 600)), "rb").read()
-    cut = tmp_path / "cut.png"
-    cut.write_bytes(full[: len(full) // 3])
+    cut = truncated_png(tmp_path)
     answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond)
-    sent = {"text": "What is on this page?", "files": [str(cut)]}
+    sent = {"text": "What is on this page?", "files": [cut]}
     updates = list(answer(sent, red_image, [], *settings_values(manager)))
     assert updates[0][1:] == (None, None)  # cleared as it was sent
     history, box, camera = updates[-1]
@@ -93,7 +89,7 @@ def test_a_failed_question_goes_back_to_its_box(handlers, manager, red_image, tm
     assert isinstance(box, type(gr.skip())) and isinstance(camera, type(gr.skip()))
 
     ask_multi = question_then_answer(handlers.add_multi_image_question, 3, handlers.respond)
-    history, box = list(ask_multi("Compare them.", [str(cut), red_image], [], *settings_values(manager)))[-1]
+    history, box = list(ask_multi("Compare them.", [cut, red_image], [], *settings_values(manager)))[-1]
     assert history[-1]["metadata"]["title"].startswith("⚠️") and box == "Compare them."
 
 

@@ -11,19 +11,13 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 
 from app import limits
-from tests.conftest import make_image, make_video, picture_requests
+from tests.conftest import make_image, make_video, picture_requests, truncated_png
 from tests.test_api import FIXED, stream
 
 
 def write(path, content: bytes) -> str:
     path.write_bytes(content)
     return str(path)
-
-
-def truncated_png(tmp_path) -> str:
-    full = make_image(tmp_path, "full.png", (800, 600))
-    data = open(full, "rb").read()
-    return write(tmp_path / "truncated.png", data[: len(data) // 3])
 
 
 def bomb_png(tmp_path) -> str:
