@@ -24,6 +24,8 @@ from benchmarks.report import write_json  # noqa: E402
 class FixedLogits:
     """A stand-in for BatchRunner: every decode step returns the same logits."""
 
+    device = "cpu"
+
     def __init__(self, rows: int, vocabulary: int):
         import torch
 

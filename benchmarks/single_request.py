@@ -9,12 +9,15 @@ question, exactly --new-tokens new tokens, greedy. Run on a GPU machine:
 """
 
 import argparse
+import collections
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+import traceback
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +38,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--count-syncs", action="store_true",
+                        help="also count the CUDA calls that wait for the GPU during the runs, by the app's line making them")
     args = parser.parse_args()
 
     import torch
@@ -57,10 +62,13 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     runs = []
+    syncs = waits_for_the_gpu() if args.count_syncs and cuda else None
     for _ in range(args.runs):
         for update in manager.stream(messages, settings):
             pass
         runs.append(update.stats)
+    if syncs is not None:
+        torch.cuda.set_sync_debug_mode(0)
 
     def median(key):
         return statistics.median(run[key] for run in runs)
@@ -90,9 +98,31 @@ def main() -> None:
         "total_ms_median": median("total_ms"),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
     }
+    if syncs is not None:
+        result["syncs_per_request"] = {where: round(count / args.runs, 1) for where, count in syncs.most_common()}
     print(json.dumps(result, indent=2))
     write_json(args.json, result)
 
+
+
+def waits_for_the_gpu() -> collections.Counter:
+    """From now on, count the CUDA calls that synchronize (torch's sync debug mode), by the innermost line
+    of the app's own code on the calling thread's stack. Waits on an event are not counted."""
+    import torch
+
+    counts = collections.Counter()
+    app_folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "app")
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        ours = [frame for frame in traceback.extract_stack()[:-1] if frame.filename.startswith(app_folder)]
+        counts[f"{os.path.relpath(ours[-1].filename)}:{ours[-1].lineno}" if ours else "outside app/"] += 1
+
+    warnings.simplefilter("always")
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    return counts
 
 
 def _version(module: str) -> str | None:

@@ -13,6 +13,8 @@ END = 9
 class SameLogits:
     """A stand-in BatchRunner: every decode step gives every row `logits`, and is counted."""
 
+    device = torch.device("cpu")
+
     def __init__(self, logits: list[float]):
         self.logits = torch.tensor([logits])
         self.steps = 0

@@ -29,6 +29,7 @@ from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
 from app.engine.fused_text import fused_text_model_for
 from app.engine.fused_vision import fused_vision_tower_for
 from app.engine.inputs import PIXEL_KEYS, normalized_pixels
+from app.engine.transfers import on_device
 from app.engine.vision_tower import slice_layout, tune_vision_tower
 
 log = logging.getLogger(__name__)
@@ -197,8 +198,8 @@ class BatchRunner:
                 logits = self.fused.prefill(embeddings, lengths, first_slot)
         else:
             logits = self.prefill_through_transformers(prompts, first_slot)
-        self.store.lengths[first_slot:first_slot + count] = torch.tensor(lengths, device=self.device)
-        self.store.rope_deltas[first_slot:first_slot + count] = torch.tensor(deltas, device=self.device)
+        self.store.lengths[first_slot:first_slot + count] = on_device(lengths, torch.long, self.device)
+        self.store.rope_deltas[first_slot:first_slot + count] = on_device(deltas, torch.long, self.device)
         return logits
 
     def prefill_through_transformers(self, prompts: list[tuple], first_slot: int) -> torch.Tensor:
@@ -209,7 +210,7 @@ class BatchRunner:
         padded = lengths[0] if count == 1 else padded_length(max(lengths))
         embeds = [torch.nn.functional.pad(self._embedded(input_ids, features), (0, 0, padded - length, 0))
                   for (input_ids, features, _), length in zip(prompts, lengths)]
-        real = torch.arange(padded, device=self.device)[None] >= padded - torch.tensor(lengths, device=self.device)[:, None]
+        real = torch.arange(padded, device=self.device)[None] >= padded - on_device(lengths, torch.long, self.device)[:, None]
         positions = (real.cumsum(-1) - 1).clamp(min=0)
         # Rows: the text position (masks, cache columns), then the three M-RoPE channels.
         rope = positions[None].repeat(3, 1, 1)

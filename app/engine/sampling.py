@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.transfers import on_device
+
 
 @dataclass(frozen=True)
 class RowSettings:
@@ -32,39 +34,16 @@ def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.
             logits[row, tokens] = torch.where(picked < 0, picked * settings.repetition_penalty,
                                               picked / settings.repetition_penalty)
     barred_rows = [row for row, is_barred in enumerate(barred) if is_barred]
-    if barred_rows and end_token_ids.numel():
-        logits[torch.tensor(barred_rows, device=logits.device)[:, None], end_token_ids[None, :]] = float("-inf")
+    if len(barred_rows) == len(barred) and end_token_ids.numel():
+        logits[:, end_token_ids] = float("-inf")
+    elif barred_rows and end_token_ids.numel():
+        logits[on_device(barred_rows, torch.long, logits.device)[:, None], end_token_ids[None, :]] = float("-inf")
     chosen = logits.argmax(dim=-1)
     sampled = [row for row, settings in enumerate(rows) if settings.do_sample]
     if sampled:
-        index = torch.tensor(sampled, device=logits.device)
+        index = on_device(sampled, torch.long, logits.device)
         chosen[index] = _sample(logits[index], [rows[row] for row in sampled])
     return chosen
-
-
-class TokensOnTheirWay:
-    """Chosen tokens on their way to the host: the copy starts at once, and tolist() waits for it alone,
-    not for what the GPU was given since.
-
-    From a GPU, through pinned memory and a CUDA event rather than `.tolist()`: its synchronous copy to
-    pageable memory, while a decode step waited behind a wave of images, also held up other threads' CUDA
-    calls. On an H200, staging a request's pixels took 25-28 ms instead of 1.4, and preparing a request
-    132-134 ms instead of 74 (benchmarks/side_by_side.py)."""
-
-    def __init__(self, chosen: torch.Tensor):
-        self._copied = None
-        if chosen.is_cuda:
-            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-            self._host.copy_(chosen, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(chosen.device))
-        else:
-            self._host = chosen
-
-    def tolist(self) -> list[int]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host.tolist()
 
 
 def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
@@ -75,7 +54,7 @@ def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
     from the softmax directly, and when every row has a top-k only the largest k are ordered.
     """
     device = logits.device
-    temperature = torch.tensor([row.temperature for row in rows], device=device)[:, None]
+    temperature = on_device([row.temperature for row in rows], torch.float32, device)[:, None]
     logits = logits / temperature
     if all(row.top_k == 0 and row.top_p >= 1.0 for row in rows):
         return torch.multinomial(logits.softmax(dim=-1), num_samples=1)[:, 0]
@@ -84,9 +63,9 @@ def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
     else:
         ordered, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(ordered.shape[-1], device=device)[None, :]
-    top_k = torch.tensor([row.top_k or logits.shape[-1] for row in rows], device=device)[:, None]
+    top_k = on_device([row.top_k or logits.shape[-1] for row in rows], torch.long, device)[:, None]
     ordered = ordered.masked_fill(rank >= top_k, float("-inf"))
-    top_p = torch.tensor([row.top_p for row in rows], device=device)[:, None]
+    top_p = on_device([row.top_p for row in rows], torch.float32, device)[:, None]
     probabilities = ordered.softmax(dim=-1)
     mass_before = probabilities.cumsum(dim=-1) - probabilities
     ordered = ordered.masked_fill((mass_before > top_p) & (rank > 0), float("-inf"))

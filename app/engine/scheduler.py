@@ -38,8 +38,9 @@ from app import limits
 from app.engine.batch_runner import MediaEncoding, padded_length
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
-from app.engine.sampling import RowSettings, TokensOnTheirWay, next_tokens
+from app.engine.sampling import RowSettings, next_tokens
 from app.engine.settings import GenerationSettings
+from app.engine.transfers import TokensOnTheirWay, on_device
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ class Scheduler:
         started = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         if previous is None:
-            tokens = torch.tensor([request.last_token for request in self._running])
+            tokens = on_device([request.last_token for request in self._running], torch.long, self.runner.device)
         else:
             tokens = previous.chosen
         chosen = self._choose(self._running, self.runner.decode(tokens), ahead=int(previous is not None))
