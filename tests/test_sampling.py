@@ -1,5 +1,6 @@
 """Next-token choice per row: greedy, minimum length, repetition penalty, temperature, top-k, top-p."""
 
+import pytest
 import torch
 
 from app.engine.sampling import RowSettings, next_tokens
@@ -70,3 +71,32 @@ def test_rows_of_a_batch_keep_their_own_settings():
     for _ in range(50):
         chosen = next_tokens(logits, rows, [None] * 4, [False] * 4, END).tolist()
         assert chosen[:3] == [2, 2, 2] and chosen[3] in (2, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_choice_never_waits_for_the_gpu():
+    # The scheduler chooses right after launching a decode step: a call that synchronized would wait for it.
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1000, device="cuda")
+    penalised = RowSettings(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.3)
+    rows = [GREEDY, penalised,
+            RowSettings(do_sample=True, temperature=0.7, top_k=0, top_p=1.0, repetition_penalty=1.0),
+            RowSettings(do_sample=True, temperature=1.0, top_k=5, top_p=1.0, repetition_penalty=1.0),
+            RowSettings(do_sample=True, temperature=1.0, top_k=0, top_p=0.8, repetition_penalty=1.2),
+            GREEDY]
+    seen = [None, torch.tensor([1, 2, 2], device="cuda"), None, None, torch.tensor([4], device="cuda"), None]
+    end = END.cuda()
+    expected = next_tokens(logits.clone(), rows[:2], seen[:2], [True, False], end)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchronizing"):  # the mode is on: a wait would fail
+            logits.sum().item()
+        greedy = next_tokens(logits.clone(), rows[:2], seen[:2], [True, False], end)
+        mixed = next_tokens(logits.clone(), rows, seen, [True, False, True, False, False, True], end)
+        on_their_way = TokensOnTheirWay(mixed)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(greedy, expected)
+    tokens = on_their_way.tolist()
+    assert len(tokens) == 6 and not {tokens[0], tokens[5]} & set(END.tolist())

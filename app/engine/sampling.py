@@ -26,23 +26,26 @@ def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.
 
     seen[i]: token ids row i has seen (prompt and reply), needed only when it has a repetition penalty;
     barred[i]: row i is below its minimum length, so it may not end yet.
+
+    On a GPU nothing here waits for it (tests/test_sampling.py checks in torch's sync debug mode): the
+    scheduler calls this right after launching a decode step. Hence gathers and scatters rather than
+    assignments through an index, which synchronize when the value is a Python number.
     """
     logits = logits.float()
     for row, (settings, tokens) in enumerate(zip(rows, seen)):
         if settings.repetition_penalty != 1.0 and tokens is not None:
-            picked = logits[row, tokens]
-            logits[row, tokens] = torch.where(picked < 0, picked * settings.repetition_penalty,
-                                              picked / settings.repetition_penalty)
-    barred_rows = [row for row, is_barred in enumerate(barred) if is_barred]
-    if len(barred_rows) == len(barred) and end_token_ids.numel():
-        logits[:, end_token_ids] = float("-inf")
-    elif barred_rows and end_token_ids.numel():
-        logits[on_device(barred_rows, torch.long, logits.device)[:, None], end_token_ids[None, :]] = float("-inf")
+            picked = logits[row].gather(0, tokens)
+            logits[row].scatter_(0, tokens, torch.where(picked < 0, picked * settings.repetition_penalty,
+                                                        picked / settings.repetition_penalty))
+    if any(barred) and end_token_ids.numel():
+        ends = end_token_ids.expand(len(barred), -1)
+        rows_barred = on_device(barred, torch.bool, logits.device)[:, None]
+        logits.scatter_(1, ends, logits.gather(1, ends).masked_fill(rows_barred, float("-inf")))
     chosen = logits.argmax(dim=-1)
     sampled = [row for row, settings in enumerate(rows) if settings.do_sample]
     if sampled:
         index = on_device(sampled, torch.long, logits.device)
-        chosen[index] = _sample(logits[index], [rows[row] for row in sampled])
+        chosen.index_copy_(0, index, _sample(logits.index_select(0, index), [rows[row] for row in sampled]))
     return chosen
 
 
