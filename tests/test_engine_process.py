@@ -71,15 +71,21 @@ def test_every_preparing_worker_is_started_and_ready_with_the_preparer(tmp_path)
     try:
         workers = list(preparer._pool._processes.values())
         assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
-        messages = user("What is it?", make_image(tmp_path, "p.png"))
-        prepared = preparer.prepare(messages, GenerationSettings(), 4096)
-        assert prepared.visual_tokens == 640
-        # What came back (small tensors by value, the pixels in shared memory) is what is prepared here.
-        here = prepare_inputs(load_processor(ensure_tiny_checkpoint(), False), messages, GenerationSettings(), 4096)
-        assert prepared.tensors.keys() == here.tensors.keys()
-        for key, value in here.tensors.items():
-            if isinstance(value, torch.Tensor):
-                assert isinstance(prepared.tensors[key], torch.Tensor) and torch.equal(prepared.tensors[key], value), key
+        assert preparer._slots is not None and len(preparer._slots.buffers) == 4
+        one = user("What is it?", make_image(tmp_path, "p.png"))
+        two = user("And these?", make_image(tmp_path, "q.png"), make_image(tmp_path, "r.png", (1200, 1300)))
+        processor = load_processor(ensure_tiny_checkpoint(), False)
+        # What came back (small tensors by value; the pixels in a slot, or for two images, too many for
+        # one, in a segment of their own) is what is prepared here.
+        for messages, visual_tokens in ((one, 640), (two, 1280), (one, 640)):
+            prepared = preparer.prepare(messages, GenerationSettings(), 8192)
+            assert prepared.visual_tokens == visual_tokens
+            here = prepare_inputs(processor, messages, GenerationSettings(), 8192)
+            assert prepared.tensors.keys() == here.tensors.keys()
+            for key, value in here.tensors.items():
+                if isinstance(value, torch.Tensor):
+                    assert isinstance(prepared.tensors[key], torch.Tensor) and torch.equal(prepared.tensors[key], value), key
+        assert sorted(preparer._slots._free.get() for _ in range(4)) == [0, 1, 2, 3]  # every slot given back
     finally:
         preparer.close()
 

@@ -4,16 +4,18 @@ Preparing one 1344x1344 image takes about 75 ms of CPU, much of it Python holdin
 engine's process that time is taken from the scheduler thread that drives the GPU, and however many
 cores the machine has, one process prepares about one request at a time: at 200 users on an H200 the
 preparation waited 3.6 s at the median (benchmarks/RESULTS.md). So on a GPU box requests are prepared
-in worker processes, each with its own processor, and their tensors come back through shared memory
-(torch's pickling for multiprocessing) rather than copied through a pipe. On the CPU, where the cores
-run the model, a few threads of the engine's process do it.
+in worker processes, each with its own processor. A worker writes the pixels into one of a few
+shared-memory buffers made at start (`PixelSlots`), and everything else comes back by value through
+the pool's pipe. On the CPU, where the cores run the model, a few threads of the engine's process do it.
 """
 
 import logging
 import os
+import queue
 import signal
 import threading
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from multiprocessing import get_context, parent_process
 
 from app import limits
@@ -23,6 +25,7 @@ from app.engine.settings import GenerationSettings
 log = logging.getLogger(__name__)
 
 BY_VALUE_BYTES = 2**20  # a worker's tensors smaller than this come back through the pipe (see _prepare)
+PIXEL_SLOT_BYTES = 8 * 2**20  # one image at the full slice budget (6 MB in uint8); more takes the slow way back
 
 
 def preparer_processes(requested: int, device) -> int:
@@ -58,13 +61,17 @@ class ProcessPreparer:
     the likely cause of the workers' 2.3-3.9 cores while serving one user on a 16-core H200 box (0.15 later).
     """
 
-    def __init__(self, processor_path: str, trust_remote_code: bool, workers: int, pixel_dtype=None):
+    def __init__(self, processor_path: str, trust_remote_code: bool, workers: int, pixel_dtype=None,
+                 slot_bytes: int = PIXEL_SLOT_BYTES):
         self.workers = workers
         self.pixel_dtype = pixel_dtype
+        # A slot for each request being prepared and two more, for those whose pixels are being taken out.
+        self._slots = PixelSlots.made(workers + 2, slot_bytes) if slot_bytes else None
         context = get_context("spawn")
         ready = context.Queue()
         self._pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_load_processor,
-                                         initargs=(processor_path, trust_remote_code, ready))
+                                         initargs=(processor_path, trust_remote_code, ready,
+                                                   self._slots.buffers if self._slots else []))
         # One task each while none is idle yet starts every worker; each says when its processor is loaded.
         for future in [self._pool.submit(os.getpid) for _ in range(workers)]:
             future.result()
@@ -73,25 +80,82 @@ class ProcessPreparer:
         log.info("Inputs are prepared in %d worker processes", workers)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
-        prepared = self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype).result()
-        prepared.tensors = _from_arrays(prepared.tensors)
+        if self._slots is None:
+            return self._prepare(messages, settings, max_context_tokens, None)
+        slot = self._slots.take()
+        try:
+            return self._prepare(messages, settings, max_context_tokens, slot)
+        finally:
+            self._slots.give_back(slot)
+
+    def _prepare(self, messages, settings, max_context_tokens, slot: int | None) -> PreparedInputs:
+        prepared = self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype, slot).result()
+        prepared.tensors = _from_the_way_back(prepared.tensors, self._slots.buffers[slot] if slot is not None else None)
         return prepared
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
 
 
+class PixelSlots:
+    """Shared-memory buffers that workers write a request's pixels into, one per request in flight.
+
+    A torch tensor sent back through the pool is copied into a shared-memory segment of its own (5 ms
+    for 6 MB in the worker), and its file descriptor is passed over a socket. On the engine's side that
+    is several waits for its GIL, each as long as Python's switch interval when another thread holds it.
+    The round trip of 6 MB of pixels took 21 ms alone and 152 ms beside a busy thread
+    (benchmarks/worker_hop.py), while small data by value took 0.7 and 34. The buffers are made once and
+    reach every worker at its start; a request then writes into a free one and only its place comes back.
+    A whole preparation through a worker, dev machine: 64-74 ms against 73-83 alone, 145-160 against
+    191-230 beside a busy thread (benchmarks/pixel_slots.py).
+    """
+
+    def __init__(self, buffers: list):
+        self.buffers = buffers
+        self._free = queue.SimpleQueue()
+        for slot in range(len(buffers)):
+            self._free.put(slot)
+
+    @classmethod
+    def made(cls, count: int, size: int) -> "PixelSlots | None":
+        """`count` buffers of `size` bytes, or None where shared memory is too small for them (a
+        container's /dev/shm, say): the pixels then come back the slow way."""
+        import torch
+
+        try:
+            return cls([torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(count)])
+        except RuntimeError as error:
+            log.warning("No shared buffers for the preparing workers' pixels (%s): each request's go through a segment of its own", error)
+            return None
+
+    def take(self) -> int:
+        return self._free.get()
+
+    def give_back(self, slot: int) -> None:
+        self._free.put(slot)
+
+
+@dataclass(frozen=True)
+class InSlot:
+    """Where a tensor lies in a request's pixel slot."""
+    offset: int
+    shape: tuple
+    dtype: object
+
+
 _processor = None  # a worker process's own
+_slot_buffers: list = []  # the PixelSlots' buffers, as this worker sees them
 
 
-def _load_processor(path: str, trust_remote_code: bool, ready) -> None:
-    global _processor
+def _load_processor(path: str, trust_remote_code: bool, ready, slot_buffers: list) -> None:
+    global _processor, _slot_buffers
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches every process of the terminal: the engine stops us
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     torch.set_num_threads(1)  # many workers side by side: one core each
     _processor = load_processor(path, trust_remote_code)
+    _slot_buffers = slot_buffers
     ready.put(os.getpid())
 
 
@@ -101,27 +165,48 @@ def _exit_with_parent() -> None:
     os._exit(0)
 
 
-def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int, pixel_dtype) -> PreparedInputs:
-    """In a worker: the pixels go back in shared memory, the small tensors (the prompt's ids, the slices'
-    sizes...) by value, as numpy arrays. Shared, each of those takes a segment of its own and about 1 ms to
-    pass its file descriptor: returning 4 of them took 3.3-6.0 ms against 0.6-0.8 by value, and a whole
-    preparation through a worker 1-2 ms less at the median (a dev core). The pixels through the pipe
-    instead: 32-36 ms against 11-13 for 6 MB (benchmarks/worker_hop.py)."""
+def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int, pixel_dtype,
+             slot: int | None) -> PreparedInputs:
+    """In a worker: the pixels go back in the request's slot (see PixelSlots), the small tensors (the
+    prompt's ids, the slices' sizes...) by value, as numpy arrays. Shared, each of those takes a segment
+    of its own and about 1 ms to pass its file descriptor: returning 4 of them took 3.3-6.0 ms against
+    0.6-0.8 by value, and a whole preparation through a worker 1-2 ms less at the median (a dev core).
+    Pixels that do not fit the slot go back in a segment of their own, as torch sends tensors."""
     prepared = prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype)
-    prepared.tensors = _small_as_arrays(prepared.tensors)
+    prepared.tensors = _for_the_way_back(prepared.tensors, _slot_buffers[slot] if slot is not None else None)
     return prepared
 
 
-def _small_as_arrays(tensors: dict) -> dict:
+def _for_the_way_back(tensors: dict, slot_buffer) -> dict:
+    """Small tensors as numpy arrays; the large ones into `slot_buffer` while they fit (InSlot), 64-byte aligned."""
     import torch
 
-    return {key: value.numpy() if isinstance(value, torch.Tensor) and value.nbytes < BY_VALUE_BYTES
-            and value.dtype != torch.bfloat16 else value  # numpy has no bfloat16
-            for key, value in tensors.items()}
+    sent, offset = {}, 0
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            sent[key] = value
+        elif value.nbytes < BY_VALUE_BYTES and value.dtype != torch.bfloat16:  # numpy has no bfloat16
+            sent[key] = value.numpy()
+        elif slot_buffer is not None and offset + value.nbytes <= slot_buffer.numel():
+            slot_buffer[offset:offset + value.nbytes].view(value.dtype).view(value.shape).copy_(value)
+            sent[key] = InSlot(offset, tuple(value.shape), value.dtype)
+            offset += -(-value.nbytes // 64) * 64
+        else:
+            sent[key] = value
+    return sent
 
 
-def _from_arrays(tensors: dict) -> dict:
+def _from_the_way_back(tensors: dict, slot_buffer) -> dict:
+    """Torch tensors again, those in the slot copied out of it (the slot is then free for another request)."""
     import numpy
     import torch
 
-    return {key: torch.from_numpy(value) if isinstance(value, numpy.ndarray) else value for key, value in tensors.items()}
+    def received(value):
+        if isinstance(value, numpy.ndarray):
+            return torch.from_numpy(value)
+        if isinstance(value, InSlot):
+            size = torch.Size(value.shape).numel() * value.dtype.itemsize
+            return slot_buffer[value.offset:value.offset + size].view(value.dtype).view(value.shape).clone()
+        return value
+
+    return {key: received(value) for key, value in tensors.items()}
