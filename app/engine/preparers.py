@@ -81,14 +81,14 @@ class ProcessPreparer:
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
         if self._slots is None:
-            return self._prepare(messages, settings, max_context_tokens, None)
+            return self._through_a_worker(messages, settings, max_context_tokens, None)
         slot = self._slots.take()
         try:
-            return self._prepare(messages, settings, max_context_tokens, slot)
+            return self._through_a_worker(messages, settings, max_context_tokens, slot)
         finally:
             self._slots.give_back(slot)
 
-    def _prepare(self, messages, settings, max_context_tokens, slot: int | None) -> PreparedInputs:
+    def _through_a_worker(self, messages, settings, max_context_tokens, slot: int | None) -> PreparedInputs:
         prepared = self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype, slot).result()
         prepared.tensors = _from_the_way_back(prepared.tensors, self._slots.buffers[slot] if slot is not None else None)
         return prepared
