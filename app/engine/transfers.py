@@ -11,10 +11,10 @@ import torch
 def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` as a tensor on `device`, without waiting for the GPU.
 
-    A plain copy to a GPU from pageable memory synchronizes the stream: the step just launched, whose
-    logits these choices are made from, would have to end before the host could go on. It undid the
-    scheduler's pipelining whenever a row was below its minimum length, as in every benchmark request.
-    Through pinned memory the copy is queued behind the step like any kernel."""
+    A plain copy to a GPU from pageable memory synchronizes the stream: whatever was launched on it (a
+    decode step, a prefill) would have to end before the host could go on. Choosing tokens that way
+    undid the scheduler's pipelining (benchmarks/RESULTS.md, "Evening run (2026-12-01, 18:28 UTC)").
+    Through pinned memory the copy is queued behind that work like any kernel."""
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
