@@ -196,6 +196,11 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         # then the wait for a prefill wave.
         "preprocess_ms_p50": percentile([r[4]["preprocess_ms"] for r in results], 0.5),
         "preprocess_ms_p95": percentile([r[4]["preprocess_ms"] for r in results], 0.95),
+        # ...split: reaching the preparer, waiting for a worker, the work, its way back, staging on the GPU.
+        "preparation_ms_p50": {stage: percentile([r[4]["preparation_ms"][stage] for r in results], 0.5)
+                               for stage in (results[0][4]["preparation_ms"] if results else ())},
+        "preparation_ms_p95": {stage: percentile([r[4]["preparation_ms"][stage] for r in results], 0.95)
+                               for stage in (results[0][4]["preparation_ms"] if results else ())},
         "queue_ms_p50": percentile([r[4]["queue_ms"] for r in results], 0.5),
         "queue_ms_p95": percentile([r[4]["queue_ms"] for r in results], 0.95),
         # From the scheduler's loop to the reply's consumer (in app mode a web process, through the pipe
@@ -297,7 +302,10 @@ def main() -> None:
         "web_processes": config.web_processes,
         "new_tokens": args.new_tokens, "image_format": args.image_format, "duration_s": args.duration, "levels": [],
     }
+    if getattr(manager, "pid", None):
+        print(f"engine process: {manager.pid}", flush=True)
     for users in levels:
+        print(f"level {users} users: started", flush=True)  # for a profiler waiting to attach
         level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None),
                           tuple(web.pids) if web else (), args.client_processes)
         report["levels"].append(level)

@@ -98,6 +98,11 @@ def test_replies_equal_the_in_process_engine_token_for_token(engine, manager, tm
         assert there.text == here.text and there.stats["new_tokens"] == 40
         assert {key: there.stats[key] for key in ("visual_tokens", "prompt_tokens")} == \
                {key: here.stats[key] for key in ("visual_tokens", "prompt_tokens")}
+        for stats in (here.stats, there.stats):  # the preprocessing's stages, in order, add up to it
+            stages = stats["preparation_ms"]
+            assert list(stages) == ["to_preparer", "for_a_worker", "work", "way_back", "staging"]
+            assert min(stages.values()) >= 0 and stages["work"] > 0
+            assert abs(sum(stages.values()) - stats["preprocess_ms"]) <= 0.5
 
 
 def answers_at_once(ask, keys) -> dict:

@@ -22,6 +22,9 @@ class PreparedInputs:
     notices: list[str] = field(default_factory=list)
     opens_thinking: bool = False  # the chat template left a reasoning block open for the reply
     canvas: tuple | None = None  # M-RoPE positions and offset (MiniCPM-V 4.7): batch_runner.canvas_positions
+    # perf_counter() readings at the preparation's stages (manager.preparation_stages); one clock for all of a
+    # machine's processes (CLOCK_MONOTONIC), so a worker's readings can be set against the engine's.
+    timeline: dict = field(default_factory=dict)
 
     @property
     def visual_tokens(self) -> int:

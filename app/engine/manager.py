@@ -59,6 +59,15 @@ def timing_stats(new_tokens: int, requested_at: float, prepared_at: float, start
     }
 
 
+def preparation_stages(requested_at: float, timeline: dict, prepared_at: float) -> dict:
+    """Where a request's preprocessing time went, in ms: reaching the preparer (in the engine's process,
+    a free preparing thread), waiting for a worker, the work itself, the way back from the worker, and
+    what follows (positions, the pixels staged on the GPU)."""
+    marks = [requested_at] + [timeline[stage] for stage in ("asked", "work_started", "work_done", "received")] + [prepared_at]
+    names = ("to_preparer", "for_a_worker", "work", "way_back", "staging")
+    return {name: round((end - start) * 1000, 1) for name, start, end in zip(names, marks, marks[1:])}
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -332,7 +341,9 @@ class ModelManager:
 
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
         self._wait_until_ready()
+        asked = time.perf_counter()
         prepared = self.preparer.prepare(messages, settings, self.max_context_tokens)
+        prepared.timeline["asked"] = asked
         # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
         prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
         runner = self.scheduler.runner
@@ -386,6 +397,7 @@ def prepared_summary(prepared: PreparedInputs, model_path: str, prepared_at: flo
         "notices": list(prepared.notices),
         "opens_thinking": prepared.opens_thinking,
         "prepared_at": prepared_at,
+        "timeline": dict(prepared.timeline),
         "counts": {  # the reply's stats start with these
             "visual_tokens": prepared.visual_tokens,
             "image_tokens": prepared.image_tokens,
@@ -437,6 +449,7 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
     stats = dict(prepared["counts"])
     stats.update(timing_stats(value["new_tokens"], requested_at, prepared["prepared_at"], value["started_at"],
                               value["first_token_at"], time.perf_counter()))
+    stats["preparation_ms"] = preparation_stages(requested_at, prepared["timeline"], prepared["prepared_at"])
     if first_received_at is not None:  # how long the first token took to come here from the engine's loop
         stats["first_token_delivery_ms"] = round((first_received_at - value["first_token_at"]) * 1000, 1)
     stats["requested_at"] = round(time.time() - (time.perf_counter() - requested_at), 3)  # Unix time
