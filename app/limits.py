@@ -80,6 +80,11 @@ MEDIA_ALONGSIDE_DECODING = _limit("MEDIA_ALONGSIDE_DECODING", 1)
 VISION_SM_CARVEOUT = _limit("VISION_SM_CARVEOUT", 0)
 STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels copied to the GPU ahead of their wave
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
+# How often Python hands the GIL from one thread to another in the engine's process on a GPU (its
+# default is 5 ms). The scheduler thread holds it for long stretches while it launches kernels, and the
+# threads that take each reply's tokens out waited in line: at 200 users on an H200 the first token's way
+# out took 419-444 ms at p95, 3.5 ms at 0.5 ms (benchmarks/RESULTS.md, "GIL").
+ENGINE_SWITCH_INTERVAL_S = _limit("ENGINE_SWITCH_INTERVAL_S", 0.0005)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
 WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen

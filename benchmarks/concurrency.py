@@ -243,6 +243,7 @@ def main() -> None:
     parser.add_argument("--image-format", choices=["png", "jpeg"], default="png",
                         help="the request's image: a noise PNG (5.4 MB, as in RESULTS.md) or the same as a JPEG")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--prepare-processes", type=int, default=-1, help="preparing worker processes (python app.py --prepare-processes)")
     parser.add_argument("--in-process-engine", action="store_true", help="the engine in this process (as before the split)")
     parser.add_argument("--client-processes", type=int, default=CLIENT_PROCESSES, help="app mode: processes the users' clients run in")
     parser.add_argument("--web-processes", type=int, default=1,
@@ -260,7 +261,7 @@ def main() -> None:
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     levels = [int(level) for level in args.levels.split(",")]
     config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine,
-                       web_processes=args.web_processes)
+                       web_processes=args.web_processes, prepare_processes=args.prepare_processes)
     if config.web_processes > 1:
         from app.main import use_upload_folder
         from app.web_processes import start_engine
