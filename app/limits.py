@@ -82,8 +82,9 @@ STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels 
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 # How often Python hands the GIL from one thread to another in the engine's process on a GPU (its
 # default is 5 ms). The scheduler thread holds it for long stretches while it launches kernels, and the
-# threads that take each reply's tokens out waited in line: at 200 users on an H200 the first token's way
-# out took 419-444 ms at p95, 3.5 ms at 0.5 ms (benchmarks/RESULTS.md, "GIL").
+# threads that take each reply's tokens out wait for it. At 200 users on an H200, a first token's way
+# from the scheduler to its consumer took 419-444 ms at p95 at 5 ms, and 3.5-328 ms at 0.5 ms (four runs;
+# benchmarks/RESULTS.md, "Night run (2026-12-01, 20:27 UTC)"); tokens/s did not change.
 ENGINE_SWITCH_INTERVAL_S = _limit("ENGINE_SWITCH_INTERVAL_S", 0.0005)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start

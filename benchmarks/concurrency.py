@@ -41,6 +41,10 @@ def percentile(values: list[float], fraction: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 1)
 
 
+def p50_p95(name: str, values: list[float]) -> dict:
+    return {f"{name}_p50": percentile(values, 0.5), f"{name}_p95": percentile(values, 0.95)}
+
+
 CLIENT_PROCESSES = 8  # app mode: gradio_client users are spread over this many processes
 
 
@@ -186,36 +190,27 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         "failed": len(failures),
         "unfinished": unfinished,
         "success_rate": round(len(results) / attempted, 3) if attempted else None,
-        "ttft_ms_p50": percentile(ttfts, 0.5),
-        "ttft_ms_p95": percentile(ttfts, 0.95),
-        "latency_ms_p50": percentile(latencies, 0.5),
-        "latency_ms_p95": percentile(latencies, 0.95),
+        **p50_p95("ttft_ms", ttfts),
+        **p50_p95("latency_ms", latencies),
         "tokens_per_s": round(sum(r[2] for r in results) / window, 1) if results else 0.0,
         "peak_gpu_gib": round(engine["gpu_memory_peak_bytes"] / 2**30, 2) if engine["gpu_memory_peak_bytes"] else None,
         # Where a request's time to first token went: preprocessing (CPU, waiting for a turn included),
         # then the wait for a prefill wave.
-        "preprocess_ms_p50": percentile([r[4]["preprocess_ms"] for r in results], 0.5),
-        "preprocess_ms_p95": percentile([r[4]["preprocess_ms"] for r in results], 0.95),
+        **p50_p95("preprocess_ms", [r[4]["preprocess_ms"] for r in results]),
         # ...split: reaching the preparer, waiting for a worker, the work, its way back, staging on the GPU.
-        "preparation_ms_p50": {stage: percentile([r[4]["preparation_ms"][stage] for r in results], 0.5)
-                               for stage in (results[0][4]["preparation_ms"] if results else ())},
-        "preparation_ms_p95": {stage: percentile([r[4]["preparation_ms"][stage] for r in results], 0.95)
-                               for stage in (results[0][4]["preparation_ms"] if results else ())},
-        "queue_ms_p50": percentile([r[4]["queue_ms"] for r in results], 0.5),
-        "queue_ms_p95": percentile([r[4]["queue_ms"] for r in results], 0.95),
+        **{f"preparation_ms_{name}": {stage: percentile([r[4]["preparation_ms"][stage] for r in results], fraction)
+                                      for stage in (results[0][4]["preparation_ms"] if results else ())}
+           for name, fraction in (("p50", 0.5), ("p95", 0.95))},
+        **p50_p95("queue_ms", [r[4]["queue_ms"] for r in results]),
         # From the scheduler's loop to the reply's consumer (in app mode a web process, through the pipe
         # from the engine's process).
-        "first_token_delivery_ms_p50": percentile([r[4].get("first_token_delivery_ms", 0) for r in results], 0.5),
-        "first_token_delivery_ms_p95": percentile([r[4].get("first_token_delivery_ms", 0) for r in results], 0.95),
+        **p50_p95("first_token_delivery_ms", [r[4].get("first_token_delivery_ms", 0) for r in results]),
         # App mode: the part of the client's time to first token spent outside the engine's reply (the
-        # upload, Gradio's queue until the handler runs, and the first update's way back to the client).
-        **({"outside_engine_ttft_ms_p50": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.5),
-            "outside_engine_ttft_ms_p95": percentile([r[0] - r[4]["ttft_ms"] for r in results], 0.95),
-            # ...split (this host's clock): from the client's submit to the web process asking the engine,
-            # and from the engine's first token to the client seeing it.
-            "to_engine_ms_p50": percentile(to_engine, 0.5), "to_engine_ms_p95": percentile(to_engine, 0.95),
-            "from_engine_ms_p50": percentile(from_engine, 0.5), "from_engine_ms_p95": percentile(from_engine, 0.95)}
-           if app else {}),
+        # upload, Gradio's queue until the handler runs, and the first update's way back to the client),
+        # then split (this host's clock): from the client's submit to the web process asking the engine,
+        # and from the engine's first token to the client seeing it.
+        **({**p50_p95("outside_engine_ttft_ms", [r[0] - r[4]["ttft_ms"] for r in results]),
+            **p50_p95("to_engine_ms", to_engine), **p50_p95("from_engine_ms", from_engine)} if app else {}),
         # Where the scheduler's time went over the whole level (the rest it waited for work), and the
         # media encoder's, which on a GPU runs on a stream of its own alongside both.
         "prefill_busy_share": round(busy["prefill"] / window, 3),
