@@ -80,12 +80,16 @@ MEDIA_ALONGSIDE_DECODING = _limit("MEDIA_ALONGSIDE_DECODING", 1)
 VISION_SM_CARVEOUT = _limit("VISION_SM_CARVEOUT", 0)
 STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels copied to the GPU ahead of their wave
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
-# How often Python hands the GIL from one thread to another in the engine's process on a GPU (its
-# default is 5 ms). The scheduler thread holds it for long stretches while it launches kernels, and the
-# threads that take each reply's tokens out wait for it. At 200 users on an H200, a first token's way
-# from the scheduler to its consumer took 419-444 ms at p95 at 5 ms, and 3.5-328 ms at 0.5 ms (four runs;
-# benchmarks/RESULTS.md, "Night run (2026-12-01, 20:27 UTC)"); tokens/s did not change.
-ENGINE_SWITCH_INTERVAL_S = _limit("ENGINE_SWITCH_INTERVAL_S", 0.0005)
+# How often Python hands the GIL from one thread to another in the app's serving processes (its default
+# is 5 ms). A thread that gave the GIL up to wait (for the GPU, a pipe, a file write) gets it back only
+# when the thread holding it is made to let go. In the engine's process the scheduler thread holds it
+# while it launches kernels, and the threads taking each reply's tokens out waited: at 200 users on an
+# H200 a first token's way from the scheduler to its consumer took 419-444 ms at p95 at 5 ms, 3.5-328
+# ms at 0.5 ms (four runs; tokens/s did not change). In a web process Gradio writes an upload to disk
+# chunk by chunk, each chunk through a thread: a 5.4 MB PNG's upload beside one busy thread took 235 ms
+# at 5 ms and 72 at 0.5 (67 alone; dev machine). benchmarks/RESULTS.md, "Night run (2026-12-01, 20:27
+# UTC)" and "Uploads beside busy threads".
+SWITCH_INTERVAL_S = _limit("SWITCH_INTERVAL_S", 0.0005)
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
 WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen

@@ -66,6 +66,7 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
     from app.ui.layout import CSS_PATH, build_demo
     from app.uploads import start_upload_cleaner
 
+    sys.setswitchinterval(limits.SWITCH_INTERVAL_S)  # each upload's chunks go through a thread
     if config.share and not config.auth:
         log.warning(limits.MSG_SHARE_WITHOUT_AUTH)
     upload_folder = use_upload_folder(config)

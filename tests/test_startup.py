@@ -6,6 +6,8 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from tests.conftest import ROOT, free_port
 
 
@@ -72,3 +74,19 @@ def test_matplotlib_never_picks_a_backend_in_the_event_loop(server_url):
     """Gradio switches matplotlib's backend around every event step when matplotlib is installed; left to
     choose, matplotlib imports pyplot and builds its font cache there (13 s on a fresh GPU machine)."""
     assert os.environ.get("MPLBACKEND") == "agg"
+
+
+def test_a_web_server_hands_the_gil_over_often(config, manager):
+    """An upload's chunks each wait for the GIL in a web process: at Python's 5 ms they waited in line
+    behind busy threads (benchmarks/RESULTS.md, "Uploads beside busy threads")."""
+    from dataclasses import replace
+
+    from app import limits
+    from app.main import launch
+
+    sys.setswitchinterval(0.005)
+    demo = launch(replace(config, port=free_port()), manager, prevent_thread_lock=True, quiet=True)
+    try:
+        assert limits.SWITCH_INTERVAL_S < 0.005 and sys.getswitchinterval() == pytest.approx(limits.SWITCH_INTERVAL_S)
+    finally:
+        demo.close()

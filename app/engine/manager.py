@@ -135,7 +135,7 @@ class ModelManager:
             import torch
 
             torch.set_num_threads(1)
-            sys.setswitchinterval(limits.ENGINE_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(limits.SWITCH_INTERVAL_S)
         dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.processor = load_model_and_processor(
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code,

@@ -1,0 +1,109 @@
+"""How long an image's upload to a Gradio server takes beside threads that want the server's GIL.
+
+Gradio writes an upload to disk chunk by chunk as the request's body arrives, each chunk through a
+thread of its pool (Starlette's `UploadFile.write` for a file on disk), so one upload of the benchmark's
+5.4 MB PNG is many round trips between the event loop and a thread. In a web process of the app those
+threads share the GIL with the replies' streaming threads. Each round trip may then wait for Python's
+switch interval (5 ms by default) once or more. This serves a bare Gradio app in this process, with
+`--busy-threads` threads running pure Python beside it, and times uploads of the benchmark's PNG from
+another process, at each switch interval asked for. Medians; runs anywhere:
+
+    python benchmarks/upload.py --busy-threads 0,1,4 --switch-intervals 0.005,0.0005 --json upload.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from multiprocessing import get_context
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.real_shape import benchmark_request  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
+
+
+def _uploads(url: str, path: str, runs: int, out) -> None:
+    """In a process of its own: `runs` uploads of `path`, each timed (seconds)."""
+    import httpx
+
+    times = []
+    with httpx.Client(timeout=60) as client:
+        for _ in range(runs):
+            with open(path, "rb") as file:
+                started = time.perf_counter()
+                client.post(f"{url}/gradio_api/upload", files=[("files", (os.path.basename(path), file))]).raise_for_status()
+                times.append(time.perf_counter() - started)
+    out.put(times)
+
+
+def timed_uploads(url: str, path: str, runs: int) -> list[float]:
+    context = get_context("spawn")
+    out = context.Queue()
+    process = context.Process(target=_uploads, args=(url, path, runs, out))
+    process.start()
+    times = out.get(timeout=600)
+    process.join()
+    return times
+
+
+def busy(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--busy-threads", default="0,1,4")
+    parser.add_argument("--switch-intervals", default="0.005,0.0005")
+    parser.add_argument("--image-format", choices=["png", "jpeg"], default="png")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import gradio as gr
+    import starlette.datastructures
+
+    writes = []  # the chunks written through a thread, counted on the way
+    write = starlette.datastructures.UploadFile.write
+
+    async def counted_write(self, data: bytes) -> None:
+        writes.append(len(data))
+        await write(self, data)
+
+    starlette.datastructures.UploadFile.write = counted_write
+    with gr.Blocks() as demo:
+        gr.File()
+    demo.launch(prevent_thread_lock=True, quiet=True, server_port=7898)
+    path, _ = benchmark_request(args.image_format)
+    report = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "image_bytes": os.path.getsize(path),
+              "gradio": gr.__version__, "rows": []}
+    for interval in [float(value) for value in args.switch_intervals.split(",")]:
+        sys.setswitchinterval(interval)
+        for threads in [int(value) for value in args.busy_threads.split(",")]:
+            stop = threading.Event()
+            workers = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(threads)]
+            for worker in workers:
+                worker.start()
+            writes.clear()
+            times = timed_uploads("http://127.0.0.1:7898", path, args.runs)
+            stop.set()
+            for worker in workers:
+                worker.join()
+            row = {"switch_interval_ms": interval * 1000, "busy_threads": threads,
+                   "upload_ms_median": round(1000 * statistics.median(times), 1),
+                   "upload_ms_max": round(1000 * max(times), 1),
+                   "chunk_writes_per_upload": round(len(writes) / args.runs, 1),
+                   "chunk_kib_median": round(statistics.median(writes) / 1024, 1) if writes else None}
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    sys.setswitchinterval(0.005)
+    demo.close()
+    write_json(args.json, report)
+
+
+if __name__ == "__main__":
+    main()
