@@ -62,27 +62,35 @@ class WebProcesses:
         return [process.pid for process in self._processes if process is not None]
 
     def start(self) -> None:
-        # One after another: the first caches the example media in the shared upload folder, the others find them.
-        for index in range(len(self.ports)):
-            self._start(index)
+        # The first caches the example media in the shared upload folder; the others, started together
+        # after it, find them there. Each takes seconds (Gradio's import, the UI), one after another
+        # 20 s each on an H200 box.
+        self._start([0])
+        self._start(range(1, len(self.ports)))
         threading.Thread(target=self._watch, name="web-process-watch", daemon=True).start()
 
-    def _start(self, index: int) -> None:
-        config = replace(self.config, host="127.0.0.1", port=self.ports[index])
-        process = self._context.Process(target=_serve_web, args=(config, index, self.engine_listen, self._ready),
-                                        name=f"minicpmv-web-{index}")
-        process.start()
-        self._processes[index] = process
+    def _start(self, indices) -> None:
+        """Start the web processes `indices` and wait until every one of them serves."""
+        starting = {}
+        for index in indices:
+            config = replace(self.config, host="127.0.0.1", port=self.ports[index])
+            process = self._context.Process(target=_serve_web, args=(config, index, self.engine_listen, self._ready),
+                                            name=f"minicpmv-web-{index}")
+            process.start()
+            self._processes[index] = starting[index] = process
         deadline = time.monotonic() + limits.WEB_PROCESS_START_TIMEOUT_S
-        while True:
+        while starting:
             try:
-                if self._ready.get(timeout=1) == index:
-                    log.info("Web process %d (pid %d) serves on port %d", index, process.pid, self.ports[index])
-                    return
+                index = self._ready.get(timeout=1)
             except queue.Empty:
-                if not process.is_alive() or time.monotonic() > deadline:
-                    process.kill()
-                    raise RuntimeError(f"Web process {index} did not start (exit code {process.exitcode}); see the log above")
+                for index, process in starting.items():
+                    if not process.is_alive() or time.monotonic() > deadline:
+                        process.kill()
+                        raise RuntimeError(f"Web process {index} did not start (exit code {process.exitcode}); see the log above")
+                continue
+            if index in starting:
+                process = starting.pop(index)
+                log.info("Web process %d (pid %d) serves on port %d", index, process.pid, self.ports[index])
 
     def _watch(self) -> None:
         while not self._closing.wait(1):
@@ -91,7 +99,7 @@ class WebProcesses:
                     continue
                 log.error("Web process %d stopped (exit code %s); starting a new one", index, process.exitcode)
                 try:
-                    self._start(index)
+                    self._start([index])
                 except RuntimeError as error:
                     log.error("%s", error)
 
