@@ -1,0 +1,24 @@
+"""benchmarks/gpu_timeline.py's account of a GPU timeline (the profile itself needs a GPU)."""
+
+from benchmarks.gpu_timeline import Span, summary
+
+MS = 1_000_000
+
+
+def test_busy_time_overlap_gaps_and_kinds_of_a_timeline():
+    spans = [
+        Span(0, 4 * MS, 7, "ampere_bf16_gemm_128x128", False),  # vision stream
+        Span(1 * MS, 2 * MS, 13, "void cudnn::fmha_fwd", False),  # serving stream, beside it
+        Span(4 * MS, 5 * MS, 13, "triton_chunk_gated_delta_rule", True),
+        Span(6 * MS, 7 * MS, 13, "Memcpy DtoH (Device -> Pinned)", False),  # after a 1 ms gap
+        Span(7 * MS + 10_000, 8 * MS, 7, "elementwise_kernel", False),  # 0.01 ms: not a gap
+    ]
+    report = summary(spans)
+    assert report["window_ms"] == 8.0 and report["busy_ms"] == 6.99 and report["busy_share"] == 0.874
+    assert report["busy_ms_by_stream"] == {"7": 4.99, "13": 3.0}
+    assert report["two_streams_at_once_ms"] == 1.0
+    assert report["gaps"] == {"at_least_ms": 0.05, "count": 1, "total_ms": 1.0, "longest_ms": [1.0]}
+    assert report["kernel_ms_by_kind"] == {"matrix products": 4.0, "attention": 1.0, "Triton kernels": 1.0,
+                                           "copies": 1.0, "other kernels": 0.99}
+    assert report["from_graphs_ms"] == 1.0
+    assert summary([]) == {}
