@@ -31,6 +31,17 @@ def test_greedy_takes_the_argmax_and_a_barred_row_never_ends():
     assert TokensOnTheirWay(chosen).tolist() == [logits[0].argmax().item(), allowed.argmax().item(), 7]
 
 
+def test_greedy_rows_choose_in_the_logits_own_dtype_as_in_float32():
+    """bf16 logits are not copied to float32 for greedy and barred rows; the choice is the same."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5000).bfloat16()
+    logits[2, 3] = logits[4, 7] = 100.0  # would end now, but barred
+    barred = [False, False, True, False, True, False]
+    here = next_tokens(logits.clone(), [GREEDY] * 6, [None] * 6, barred, END)
+    assert torch.equal(here, next_tokens(logits.float(), [GREEDY] * 6, [None] * 6, barred, END))
+    assert here[2] not in END and here[4] not in END
+
+
 def test_a_repetition_penalty_turns_greedy_away_from_seen_tokens():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
     penalised = RowSettings(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=2.0)
