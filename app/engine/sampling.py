@@ -31,10 +31,11 @@ def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.
     scheduler calls this right after launching a decode step. Hence gathers and scatters rather than
     assignments through an index, which synchronize when the value is a Python number.
     """
-    if any(settings.do_sample or settings.repetition_penalty != 1.0 for settings in rows):
+    if not logits.is_floating_point() or any(settings.do_sample or settings.repetition_penalty != 1.0 for settings in rows):
         logits = logits.float()  # penalties and draws in float32, as generate() makes them
-    # Otherwise the argmax, with the barred ends at -inf, is the same in the logits' own dtype (bf16 to
-    # float32 is exact), and a float32 copy of a whole batch's logits was most of a greedy choice's time.
+    # Otherwise the argmax, with the barred ends at -inf, is the same in the logits' own floating dtype
+    # (bf16 to float32 is exact), and a float32 copy of a whole batch's logits was most of a greedy
+    # choice's time.
     for row, (settings, tokens) in enumerate(zip(rows, seen)):
         if settings.repetition_penalty != 1.0 and tokens is not None:
             picked = logits[row].gather(0, tokens)
