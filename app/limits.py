@@ -90,6 +90,8 @@ WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 # at 5 ms and 72 at 0.5 (67 alone; dev machine). benchmarks/RESULTS.md, "Night run (2026-12-01, 20:27
 # UTC)" and "Uploads beside busy threads".
 SWITCH_INTERVAL_S = _limit("SWITCH_INTERVAL_S", 0.0005)
+# A reply's stats say how long its preprocessing waited for a free preparer (a busy server) from this long.
+PREPARATION_WAIT_SHOWN_MS = 50
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
 WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen

@@ -3,7 +3,7 @@
 import gradio as gr
 import pytest
 
-from app.ui.handlers import SETTING_KEYS, Handlers
+from app.ui.handlers import SETTING_KEYS, Handlers, stats_message
 from app.ui.layout import question_then_answer
 from tests.conftest import make_image, truncated_png
 
@@ -164,3 +164,15 @@ def test_stop_marks_the_reasoning_it_cut_off_as_done():
     assert ended[-1]["content"] == history[-1]["content"] and ended[:3] == history[:3]
     assert history[-1]["metadata"]["status"] == "pending"  # the input is not changed in place
     assert Handlers.end_stopped_reply(None) == []
+
+
+def test_the_stats_say_when_preprocessing_waited_for_a_free_preparer():
+    stats = {"tokens_per_s": 50.0, "visual_tokens": 640, "ttft_ms": 900.0, "new_tokens": 8, "prompt_tokens": 700,
+             "image_tokens": [640], "video_frames": 0, "video_tokens": 0, "preprocess_ms": 700.0, "queue_ms": 100.0,
+             "total_ms": 1200.0}
+    waiting = {"to_preparer": 400.0, "for_a_worker": 120.0, "work": 70.0, "way_back": 2.0, "staging": 1.0}
+    assert "Preprocessing 700 ms (520 of them waiting for a free preparer), waiting for the model 100 ms" in \
+        stats_message({**stats, "preparation_ms": waiting}, [])["content"]
+    idle = {**waiting, "to_preparer": 0.5, "for_a_worker": 0.1}
+    for quiet in ({**stats, "preparation_ms": idle}, stats):  # no wait worth saying; an external server's stats
+        assert "Preprocessing 700 ms, waiting for the model 100 ms" in stats_message(quiet, [])["content"]

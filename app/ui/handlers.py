@@ -65,7 +65,10 @@ def stats_message(stats: dict, notices: list[str]) -> dict:
     if stats["video_frames"]:
         tokens = f", {stats['video_tokens']:,} tokens" if stats["video_tokens"] is not None else ""
         details.append(f"Video: {stats['video_frames']} frames{tokens}.")
-    details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms, waiting for the model {stats['queue_ms']:.0f} ms, "
+    stages = stats.get("preparation_ms") or {}  # an external server's replies have none
+    waited = stages.get("to_preparer", 0) + stages.get("for_a_worker", 0)
+    busy = f" ({waited:.0f} of them waiting for a free preparer)" if waited >= limits.PREPARATION_WAIT_SHOWN_MS else ""
+    details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms{busy}, waiting for the model {stats['queue_ms']:.0f} ms, "
                    f"total {stats['total_ms'] / 1000:.2f} s.")
     details.extend(notices)
     return {"role": "assistant", "content": "\n\n".join(details), "metadata": {"title": title, "status": "done"}}
