@@ -69,7 +69,7 @@ def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
     if not spans:
         return {}
     window = union(spans)
-    window_ms = (window[-1][1] - window[0][0]) / 1e6
+    window_ms, busy = (window[-1][1] - window[0][0]) / 1e6, busy_ms(window)
     gaps = [(start - end) / 1e6 for (_, end), (start, _) in zip(window, window[1:]) if (start - end) / 1e6 >= gap_ms]
     streams = {stream: busy_ms(union([s for s in spans if s.stream == stream])) for stream in {s.stream for s in spans}}
     kinds: dict[str, float] = {}
@@ -78,10 +78,10 @@ def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
         kinds[label] = kinds.get(label, 0.0) + (span.end_ns - span.start_ns) / 1e6
     return {
         "window_ms": round(window_ms, 2),
-        "busy_ms": round(busy_ms(window), 2),
-        "busy_share": round(busy_ms(window) / window_ms, 3),
+        "busy_ms": round(busy, 2),
+        "busy_share": round(busy / window_ms, 3),
         "busy_ms_by_stream": {str(stream): round(ms, 2) for stream, ms in sorted(streams.items(), key=lambda item: -item[1])},
-        "two_streams_at_once_ms": round(sum(streams.values()) - busy_ms(window), 2),
+        "two_streams_at_once_ms": round(sum(streams.values()) - busy, 2),
         "gaps": {"at_least_ms": gap_ms, "count": len(gaps), "total_ms": round(sum(gaps), 2),
                  "longest_ms": [round(gap, 2) for gap in sorted(gaps, reverse=True)[:5]]},
         "kernel_ms_by_kind": {label: round(ms, 2) for label, ms in sorted(kinds.items(), key=lambda item: -item[1])},
