@@ -83,10 +83,10 @@ class WebProcesses:
             try:
                 index = self._ready.get(timeout=1)
             except queue.Empty:
-                for index, process in starting.items():
+                for late, process in starting.items():
                     if not process.is_alive() or time.monotonic() > deadline:
                         process.kill()
-                        raise RuntimeError(f"Web process {index} did not start (exit code {process.exitcode}); see the log above")
+                        raise RuntimeError(f"Web process {late} did not start (exit code {process.exitcode}); see the log above")
                 continue
             if index in starting:
                 process = starting.pop(index)

@@ -50,8 +50,8 @@ class ThreadPreparer:
         with self._slots:
             started = time.perf_counter()
             prepared = prepare_inputs(self.processor, messages, settings, max_context_tokens, self.pixel_dtype)
-        prepared.timeline.update(work_started=started, work_done=time.perf_counter())
-        prepared.timeline["received"] = prepared.timeline["work_done"]
+        done = time.perf_counter()
+        prepared.timeline.update(work_started=started, work_done=done, received=done)  # no way back here
         return prepared
 
     def close(self) -> None:
