@@ -5,12 +5,15 @@ GPU itself. The engine runs in this process (as with concurrency.py --in-process
 threads share its GIL), N users send the benchmark's request back to back, and after --settle seconds
 torch's profiler records the GPU's activity for --seconds. Reported: how much of the window the GPU was
 busy on any stream, each stream's busy time, the time two streams ran at once, the idle gaps, and the
-kernels' time by kind; then the busy time per request finished in the window. Needs a CUDA GPU:
+kernels' time by kind; then the busy time per request, and the engine's counters (with the garbage
+collector's pauses) over the profiled window and over as long a window just before it (what the profiler
+itself costs). Needs a CUDA GPU:
 
-    python benchmarks/gpu_timeline.py --users 200 --settle 10 --seconds 2 --json timeline.json
+    python benchmarks/gpu_timeline.py --users 200 --settle 10 --seconds 6 --json timeline.json
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -89,16 +92,46 @@ def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
     }
 
 
-def spans_of(profile) -> list[Span]:
-    """The GPU's kernels, copies and fills of a torch.profiler run, each with the stream it ran on."""
+def spans_of(profile) -> tuple[list[Span], int]:
+    """The GPU's kernels, copies and fills of a torch.profiler run, each with the stream it ran on, and the
+    number of CUDA graph replays launched. A graph's kernels carry the correlation id of the runtime call
+    that launched the graph (CUPTI's), as any kernel carries its launch's."""
     from torch.autograd import DeviceType
 
     events = list(profile.profiler.kineto_results.events())
     graph_launches = {event.correlation_id() for event in events
                       if event.device_type() == DeviceType.CPU and event.name().startswith("cudaGraphLaunch")}
-    return [Span(event.start_ns(), event.start_ns() + event.duration_ns(), event.device_resource_id(), event.name(),
-                 event.linked_correlation_id() in graph_launches)
-            for event in events if event.device_type() == DeviceType.CUDA and event.duration_ns() > 0]
+    spans = [Span(event.start_ns(), event.start_ns() + event.duration_ns(), event.device_resource_id(), event.name(),
+                  event.correlation_id() in graph_launches)
+             for event in events if event.device_type() == DeviceType.CUDA and event.duration_ns() > 0]
+    return spans, len(graph_launches)
+
+
+def served(manager, seconds: float) -> dict:
+    """What the engine did over the next `seconds`, from its counters, and the garbage collector's pauses
+    (a collection holds the GIL, so the scheduler waits for it; a pause also counts any wait for the GIL
+    after a finalizer let go of it)."""
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    started: list[float] = []
+
+    def timed_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses[info["generation"]].append((time.perf_counter() - started.pop()) * 1000)
+
+    before = manager.metrics.snapshot()
+    gc.callbacks.append(timed_collection)
+    time.sleep(seconds)
+    gc.callbacks.remove(timed_collection)
+    after = manager.metrics.snapshot()
+    tokens, steps = after["tokens_generated"] - before["tokens_generated"], after["decode_steps"] - before["decode_steps"]
+    return {"prefill_waves": after["prefill_waves"] - before["prefill_waves"], "decode_steps": steps, "tokens": tokens,
+            "requests_finished": after["requests"]["finished"] - before["requests"]["finished"],
+            "tokens_per_s": round(tokens / seconds, 1), "tokens_per_step": round(tokens / steps, 1) if steps else None,
+            "gc_pauses": {f"generation {generation}": {"count": len(times), "total_ms": round(sum(times), 1),
+                                                       "longest_ms": round(max(times, default=0.0), 1)}
+                          for generation, times in pauses.items()}}
 
 
 def main() -> None:
@@ -106,7 +139,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
     parser.add_argument("--users", type=int, default=200)
     parser.add_argument("--settle", type=float, default=10.0, help="seconds of load before the profile")
-    parser.add_argument("--seconds", type=float, default=2.0, help="seconds profiled")
+    parser.add_argument("--seconds", type=float, default=6.0,
+                        help="seconds profiled (more than one cycle of waves and decode steps at 200 users)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -126,27 +160,30 @@ def main() -> None:
     manager.warm_up()
     _, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-    stop_at = time.time() + args.settle + args.seconds + 5
+    stop_at = time.time() + args.settle + 2 * args.seconds + 6.5
     users = threading.Thread(target=drive_users, daemon=True, args=(
         args.users, stop_at, stop_at + 30, lambda: lambda abort: engine_request(manager, messages, settings, abort)))
     users.start()
     time.sleep(args.settle)
-    before = manager.metrics.snapshot()
+    # The same length of time unprofiled, then profiled: how much the profiler itself slowed the engine.
+    # A first short profile starts CUPTI outside the window (the first run, 2026-12-01, recorded a third
+    # of the tokens/s the engine reaches unprofiled).
+    unprofiled = served(manager, args.seconds)
+    with profile(activities=[ProfilerActivity.CUDA]):
+        time.sleep(0.5)
+    time.sleep(1.0)
     # The GPU's side only: recording every CPU op of 200 users' threads would slow the scheduler down.
     with profile(activities=[ProfilerActivity.CUDA]) as run:
-        time.sleep(args.seconds)
-    after = manager.metrics.snapshot()
-    spans = spans_of(run)
+        profiled = served(manager, args.seconds)
+    spans, graph_launches = spans_of(run)
+    timeline = summary(spans)
     report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "users": args.users, "seconds": args.seconds, **summary(spans)}
-    # The counters are read before and after the profile: nearly its window.
-    waves = after["prefill_waves"] - before["prefill_waves"]
-    tokens = after["tokens_generated"] - before["tokens_generated"]
-    steps = after["decode_steps"] - before["decode_steps"]
-    finished = after["requests"]["finished"] - before["requests"]["finished"]
-    report.update(prefill_waves=waves, decode_steps=steps, tokens=tokens, requests_finished=finished,
-                  tokens_per_s=round(tokens / args.seconds, 1), tokens_per_step=round(tokens / steps, 1) if steps else None,
-                  gpu_busy_ms_per_request=round(report["busy_ms"] / finished, 2) if finished and spans else None)
+              "users": args.users, "seconds": args.seconds, **timeline, "graph_launches": graph_launches,
+              "profiled": profiled, "unprofiled": unprofiled,
+              # A request's worth: its new tokens among those decoded in the window (the requests finished in
+              # a window of a few seconds are a poor count of the work done in it: they come in bursts).
+              "gpu_busy_ms_per_request": round(timeline["busy_ms"] * args.new_tokens / profiled["tokens"], 2)
+              if profiled["tokens"] and spans else None}
     print(json.dumps(report), flush=True)
     write_json(args.json, report)
     users.join()
