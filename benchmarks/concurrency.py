@@ -74,7 +74,23 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
             raise Aborted
         if reply and first is None:
             first = time.perf_counter()
-    return round(((first or time.perf_counter()) - started) * 1000, 1), {**job.result()[1], "submitted_at": submitted_at}
+    return round(((first or time.perf_counter()) - started) * 1000, 1), {**job.result()[1], "submitted_at": submitted_at,
+                                                                         **status_times(job)}
+
+
+def status_times(job) -> dict:
+    """When this client heard (Unix time) that its request joined Gradio's queue, after the upload and the
+    join. gradio_client keeps every status update it got, each stamped on arrival, in a queue that nothing
+    reads unless the job is iterated."""
+    from gradio_client.utils import Status, StatusUpdate
+
+    heard = {}
+    updates = job.communicator.updates
+    while not updates.empty():
+        update = updates.get_nowait()
+        if isinstance(update, StatusUpdate):
+            heard.setdefault(update.code, update.time.timestamp())
+    return {"joined_at": heard[Status.IN_QUEUE]} if Status.IN_QUEUE in heard else {}
 
 
 def drive_users(users: int, stop_issuing: float, deadline: float, make_requester) -> tuple[list, list, int]:
@@ -112,9 +128,13 @@ def drive_users(users: int, stop_issuing: float, deadline: float, make_requester
     return results, failures, len(aborted)
 
 
-def _app_client_process(url, users, duration, grace, image_path, settings, ready, go, out) -> None:
+def _app_client_process(url, users, duration, grace, image_path, settings, switch_interval, ready, go, out) -> None:
     """Clients in a process of their own, so that they do not share the server's GIL."""
     from gradio_client import Client
+
+    # A client's upload, like a web process's, is many small steps, each waiting for the GIL among the
+    # process's other users' threads; a browser user's is not.
+    sys.setswitchinterval(switch_interval)
 
     # A client's first contact fetches the app's config and API description, and its first request
     # builds a session in the server: heavy work for the web process that a user with the page open
@@ -140,7 +160,8 @@ def _app_client_process(url, users, duration, grace, image_path, settings, ready
 
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
               engine_pid: int | None = None, web_pids: tuple[int, ...] = (), client_processes: int = CLIENT_PROCESSES) -> dict:
-    """One level; in-process users call `make_requester`, or `app` = (url, image, settings) runs clients
+    """One level; in-process users call `make_requester`, or `app` = (url, image, settings, the clients'
+    GIL switch interval) runs clients
     in up to `client_processes` processes. `metrics` (the engine's) says where the scheduler's time went
     and how much GPU memory the level took at most; the CPU each process used is measured too."""
     import multiprocessing
@@ -154,10 +175,10 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
     else:
         context = multiprocessing.get_context("spawn")
         ready, go, out = context.Queue(), context.Event(), context.Queue()
-        url, image_path, settings = app
+        url, image_path, settings, switch_interval = app
         shares = [users // client_processes + (i < users % client_processes) for i in range(client_processes)]
         processes = [context.Process(target=_app_client_process,
-                                     args=(url, share, duration, grace, image_path, settings, ready, go, out))
+                                     args=(url, share, duration, grace, image_path, settings, switch_interval, ready, go, out))
                      for share in shares if share]
         for process in processes:
             process.start()
@@ -180,6 +201,10 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
     ttfts, latencies = [r[0] for r in results], [r[1] for r in results]
     if app:
         to_engine = [(r[4]["requested_at"] - r[4]["submitted_at"]) * 1000 for r in results]
+        heard = [r[4] for r in results if "joined_at" in r[4]]
+        way_in = {"upload_and_join": [(s["joined_at"] - s["submitted_at"]) * 1000 for s in heard],
+                  "gradio_queue": [(s["handler_started_at"] - s["joined_at"]) * 1000 for s in heard],
+                  "handler_to_engine": [(s["requested_at"] - s["handler_started_at"]) * 1000 for s in heard]}
         from_engine = [r[0] - to - r[4]["ttft_ms"] for r, to in zip(results, to_engine)]
     engine = metrics.snapshot()
     busy = engine["busy_seconds"]
@@ -210,7 +235,12 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         # then split (this host's clock): from the client's submit to the web process asking the engine,
         # and from the engine's first token to the client seeing it.
         **({**p50_p95("outside_engine_ttft_ms", [r[0] - r[4]["ttft_ms"] for r in results]),
-            **p50_p95("to_engine_ms", to_engine), **p50_p95("from_engine_ms", from_engine)} if app else {}),
+            **p50_p95("to_engine_ms", to_engine), **p50_p95("from_engine_ms", from_engine),
+            # ...and that way in split: the upload and the join until the client heard it had joined (so
+            # with that message's way back), Gradio's queue until the handler started, the handler's way to
+            # the engine (these two stamped in the server).
+            **{f"way_in_ms_{name}": {step: percentile(times, fraction) for step, times in way_in.items() if times}
+               for name, fraction in (("p50", 0.5), ("p95", 0.95))}} if app else {}),
         # Where the scheduler's time went over the whole level (the rest it waited for work), and the
         # media encoder's, which on a GPU runs on a stream of its own alongside both.
         "prefill_busy_share": round(busy["prefill"] / window, 3),
@@ -241,6 +271,9 @@ def main() -> None:
     parser.add_argument("--prepare-processes", type=int, default=-1, help="preparing worker processes (python app.py --prepare-processes)")
     parser.add_argument("--in-process-engine", action="store_true", help="the engine in this process (as before the split)")
     parser.add_argument("--client-processes", type=int, default=CLIENT_PROCESSES, help="app mode: processes the users' clients run in")
+    parser.add_argument("--client-switch-interval", type=float, default=0.005,
+                        help="app mode: the client processes' GIL switch interval in seconds (default Python's, as in the runs "
+                             "recorded before this option)")
     parser.add_argument("--web-processes", type=int, default=1,
                         help="app mode: web processes behind app.front in this process (python app.py --web-processes)")
     args = parser.parse_args()
@@ -288,11 +321,11 @@ def main() -> None:
         web.start()
         print(f"web processes: {' '.join(map(str, web.pids))}", flush=True)
         start_front("127.0.0.1", config.port, web.urls)
-        app = (f"http://127.0.0.1:{config.port}", image_path, settings)
+        app = (f"http://127.0.0.1:{config.port}", image_path, settings, args.client_switch_interval)
     elif args.mode == "app":
         from app.main import launch
 
-        app = (launch(config, manager, prevent_thread_lock=True).local_url, image_path, settings)
+        app = (launch(config, manager, prevent_thread_lock=True).local_url, image_path, settings, args.client_switch_interval)
 
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -300,7 +333,7 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
         "engine": "process of its own" if config.engine_process else "in-process",
-        "web_processes": config.web_processes,
+        "web_processes": config.web_processes, **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
         "new_tokens": args.new_tokens, "image_format": args.image_format, "duration_s": args.duration, "levels": [],
     }
     if getattr(manager, "pid", None):

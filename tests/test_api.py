@@ -33,6 +33,7 @@ def test_streamed_image_answer(client, red_image):
     assert stats["new_tokens"] == 64 and stats["ttft_ms"] > 0 and stats["tokens_per_s"] > 0
     assert 0 <= stats["first_token_delivery_ms"] < stats["ttft_ms"]
     assert time.time() - 60 < stats["requested_at"] <= time.time()
+    assert stats["requested_at"] - 1 < stats["handler_started_at"] <= stats["requested_at"]  # the handler, then the engine
     assert reply and updates[0][0] != reply  # the reply grew
 
 

@@ -5,6 +5,7 @@ and `plan_images()`.
 """
 
 import os
+import time
 from contextlib import closing
 
 import gradio as gr
@@ -308,6 +309,7 @@ class Handlers:
         """/ask: stream (reply_text, stats). settings["follow_up"] = true continues this client's last conversation."""
         if settings is not None and not isinstance(settings, dict):
             raise gr.Error(limits.MSG_SETTINGS_NOT_OBJECT)
+        started_at = time.time()
         overrides = dict(settings or {})
         follow_up = overrides.pop("follow_up", False) in (True, "true", 1)
         text = text or ""
@@ -327,6 +329,7 @@ class Handlers:
                     elif update.stats is None:
                         yield reply, {"done": False}, gr.skip()
             answer = {"role": "assistant", "content": [{"type": "text", "text": strip_reasoning(reply)}]}
-            yield reply, {"done": True, **update.stats, "notices": update.notices}, messages + [answer]
+            yield reply, {"done": True, **update.stats, "handler_started_at": round(started_at, 3), "notices": update.notices}, \
+                messages + [answer]
         except UserError as error:
             raise gr.Error(str(error)) from None
