@@ -6,9 +6,12 @@ thread of its pool (Starlette's `UploadFile.write` for a file on disk), so one u
 threads share the GIL with the replies' streaming threads. Each round trip may then wait for Python's
 switch interval (5 ms by default) once or more. This serves a bare Gradio app in this process, with
 `--busy-threads` threads running pure Python beside it, and times uploads of the benchmark's PNG from
-another process, at each switch interval asked for. Medians; runs anywhere:
+another process, at each switch interval asked for, `--at-once` of them at the same time (as a web
+process's users send theirs when their replies end together). Without busy threads it also reports the
+server's CPU per upload. Medians; runs anywhere:
 
     python benchmarks/upload.py --busy-threads 0,1,4 --switch-intervals 0.005,0.0005 --json upload.json
+    python benchmarks/upload.py --runs 50 --busy-threads 0 --switch-intervals 0.0005 --at-once 1,8,25
 """
 
 import argparse
@@ -26,24 +29,30 @@ from benchmarks.real_shape import benchmark_request  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 
 
-def _uploads(url: str, path: str, runs: int, out) -> None:
-    """In a process of its own: `runs` uploads of `path`, each timed (seconds)."""
+def _uploads(url: str, path: str, runs: int, at_once: int, out) -> None:
+    """In a process of its own: `runs` uploads of `path`, `at_once` at a time, each timed (seconds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
-    times = []
-    with httpx.Client(timeout=60) as client:
-        for _ in range(runs):
-            with open(path, "rb") as file:
-                started = time.perf_counter()
-                client.post(f"{url}/gradio_api/upload", files=[("files", (os.path.basename(path), file))]).raise_for_status()
-                times.append(time.perf_counter() - started)
-    out.put(times)
+    clients = threading.local()  # one kept-alive connection per uploading thread
+
+    def upload(_) -> float:
+        if not hasattr(clients, "client"):
+            clients.client = httpx.Client(timeout=120)
+        with open(path, "rb") as file:
+            started = time.perf_counter()
+            clients.client.post(f"{url}/gradio_api/upload", files=[("files", (os.path.basename(path), file))]).raise_for_status()
+            return time.perf_counter() - started
+
+    with ThreadPoolExecutor(at_once) as pool:
+        out.put(list(pool.map(upload, range(runs))))
 
 
-def timed_uploads(url: str, path: str, runs: int) -> list[float]:
+def timed_uploads(url: str, path: str, runs: int, at_once: int) -> list[float]:
     context = get_context("spawn")
     out = context.Queue()
-    process = context.Process(target=_uploads, args=(url, path, runs, out))
+    process = context.Process(target=_uploads, args=(url, path, runs, at_once, out))
     process.start()
     times = out.get(timeout=600)
     process.join()
@@ -61,6 +70,8 @@ def main() -> None:
     parser.add_argument("--busy-threads", default="0,1,4")
     parser.add_argument("--switch-intervals", default="0.005,0.0005")
     parser.add_argument("--image-format", choices=["png", "jpeg"], default="png")
+    parser.add_argument("--at-once", default="1", help="uploads sent at the same time, e.g. 1,8,25 (a web process's "
+                                                      "users coming back together)")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -84,22 +95,27 @@ def main() -> None:
     for interval in [float(value) for value in args.switch_intervals.split(",")]:
         sys.setswitchinterval(interval)
         for threads in [int(value) for value in args.busy_threads.split(",")]:
-            stop = threading.Event()
-            workers = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(threads)]
-            for worker in workers:
-                worker.start()
-            writes.clear()
-            times = timed_uploads("http://127.0.0.1:7898", path, args.runs)
-            stop.set()
-            for worker in workers:
-                worker.join()
-            row = {"switch_interval_ms": interval * 1000, "busy_threads": threads,
-                   "upload_ms_median": round(1000 * statistics.median(times), 1),
-                   "upload_ms_max": round(1000 * max(times), 1),
-                   "chunk_writes_per_upload": round(len(writes) / args.runs, 1),
-                   "chunk_kib_median": round(statistics.median(writes) / 1024, 1) if writes else None}
-            report["rows"].append(row)
-            print(json.dumps(row), flush=True)
+            for at_once in [int(value) for value in args.at_once.split(",")]:
+                stop = threading.Event()
+                workers = [threading.Thread(target=busy, args=(stop,), daemon=True) for _ in range(threads)]
+                for worker in workers:
+                    worker.start()
+                writes.clear()
+                cpu_started = time.process_time()
+                times = timed_uploads("http://127.0.0.1:7898", path, args.runs, at_once)
+                cpu_ms = (time.process_time() - cpu_started) * 1000
+                stop.set()
+                for worker in workers:
+                    worker.join()
+                row = {"switch_interval_ms": interval * 1000, "busy_threads": threads, "at_once": at_once,
+                       "upload_ms_median": round(1000 * statistics.median(times), 1),
+                       "upload_ms_max": round(1000 * max(times), 1),
+                       # The server's CPU for one upload (this process's, so only without busy threads).
+                       "server_cpu_ms_per_upload": round(cpu_ms / args.runs, 1) if not threads else None,
+                       "chunk_writes_per_upload": round(len(writes) / args.runs, 1),
+                       "chunk_kib_median": round(statistics.median(writes) / 1024, 1) if writes else None}
+                report["rows"].append(row)
+                print(json.dumps(row), flush=True)
     sys.setswitchinterval(0.005)
     demo.close()
     write_json(args.json, report)
