@@ -144,6 +144,9 @@ MSG_WEB_PROCESS_DOWN = "This part of the demo is restarting; reload the page in 
 MSG_ENGINE_PROCESS_DOWN = "The model's process is not running and could not be restarted; see the server's log."
 MSG_SWITCH_FAILED = "Could not load “{model}” ({error}). Still serving “{current}”."
 MSG_SWITCH_OFF = "Switching models is off; start the app with --allow-model-switch to allow it."
+PROFILE_GPU_MAX_S = 60.0  # ModelManager.profile_gpu's longest window: the profiler keeps every kernel in memory
+MSG_PROFILE_NEEDS_CUDA = "Profiling the GPU needs a CUDA GPU; this engine runs on the CPU."
+MSG_PROFILE_SECONDS = "A GPU profile's window is more than 0 and at most {max:.0f} seconds."
 MSG_MODEL_TYPE_NOT_SERVED = (
     "This app's engine does not serve model type “{model_type}” yet ({reason}): serve it with an engine "
     "that does (vLLM, SGLang, Ollama or transformers serve) and start this app with --backend openai "

@@ -6,6 +6,7 @@ import threading
 from contextlib import closing
 
 import pytest
+import torch
 from gradio_client import Client
 
 from app.config import AppConfig
@@ -177,6 +178,35 @@ def test_a_full_line_is_refused_through_the_pipe(tmp_path):
         assert small.metrics.snapshot()["requests"]["busy"] == 1
     finally:
         small.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the profile runs (next test)")
+def test_a_gpu_profile_asked_of_an_engine_on_the_cpu_is_refused_clearly(engine):
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
+        engine.profile_gpu(1.0)
+    with pytest.raises(UserError, match="at most 60 seconds"):
+        engine.profile_gpu(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_engine_process_profiles_its_gpu_while_it_serves(engine):
+    long = GenerationSettings(max_new_tokens=200, min_new_tokens=200, do_sample=False)
+    stop = threading.Event()
+
+    def keep_it_busy():
+        while not stop.is_set():
+            list(engine.stream([{"role": "user", "content": [{"type": "text", "text": "Count."}]}], long))
+
+    user = threading.Thread(target=keep_it_busy)
+    user.start()
+    try:
+        timeline = engine.profile_gpu(1.0)
+    finally:
+        stop.set()
+        user.join(60)
+    assert timeline["busy_ms"] > 0 and timeline["kernel_ms_by_kind"]
+    assert set(timeline["gc_pauses"]) == {"generation 0", "generation 1", "generation 2"}
+    assert timeline["counters"]["end"]["decode_steps"] >= timeline["counters"]["start"]["decode_steps"]
 
 
 def test_switching_the_model_of_the_engine_process(engine):

@@ -153,6 +153,9 @@ class EngineClient:
     def active_generations(self) -> int:
         return self._call("active_generations")
 
+    def profile_gpu(self, seconds: float) -> dict:
+        return self._call("profile_gpu", seconds)
+
     def switch(self, model: str) -> dict:
         try:
             result = self._call("switch", model)

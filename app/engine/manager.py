@@ -278,6 +278,13 @@ class ModelManager:
             gpu_memory_bytes=self.gpu_memory_bytes(),
         )
 
+    def profile_gpu(self, seconds: float) -> dict:
+        """Where the GPU's time goes over the next `seconds` while requests are served as usual
+        (app/engine/gpu_profile.py; benchmarks/gpu_timeline.py reports it)."""
+        from app.engine import gpu_profile
+
+        return gpu_profile.record(seconds, self.metrics.snapshot)
+
     def gpu_memory_bytes(self) -> int | None:
         import torch
 

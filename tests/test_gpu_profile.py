@@ -1,6 +1,6 @@
-"""benchmarks/gpu_timeline.py's account of a GPU timeline (the profile itself needs a GPU)."""
+"""app/engine/gpu_profile.py's account of a GPU timeline (the profile itself needs a GPU), and its answer on the CPU."""
 
-from benchmarks.gpu_timeline import Span, summary
+from app.engine.gpu_profile import Span, summary
 
 MS = 1_000_000
 
@@ -22,3 +22,16 @@ def test_busy_time_overlap_gaps_and_kinds_of_a_timeline():
                                            "copies": 1.0, "other kernels": 0.99}
     assert report["from_graphs_ms"] == 1.0
     assert summary([]) == {}
+
+
+def test_the_collectors_pauses_are_timed_while_the_block_runs():
+    import gc
+
+    from app.engine.gpu_profile import collector_pauses
+
+    with collector_pauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    assert len(pauses[2]) == 1 and len(pauses[0]) >= 1 and all(ms >= 0 for ms in pauses[0] + pauses[2])
+    gc.collect()
+    assert len(pauses[2]) == 1  # not timed after the block
