@@ -45,6 +45,12 @@ def p50_p95(name: str, values: list[float]) -> dict:
     return {f"{name}_p50": percentile(values, 0.5), f"{name}_p95": percentile(values, 0.95)}
 
 
+def p50_p95_each(name: str, series: dict[str, list[float]]) -> dict:
+    """p50_p95 of several series at once: {name_p50: {key: p50}, name_p95: {key: p95}}."""
+    return {f"{name}_{label}": {key: percentile(values, fraction) for key, values in series.items()}
+            for label, fraction in (("p50", 0.5), ("p95", 0.95))}
+
+
 CLIENT_PROCESSES = 8  # app mode: gradio_client users are spread over this many processes
 
 
@@ -161,9 +167,9 @@ def _app_client_process(url, users, duration, grace, image_path, settings, switc
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
               engine_pid: int | None = None, web_pids: tuple[int, ...] = (), client_processes: int = CLIENT_PROCESSES) -> dict:
     """One level; in-process users call `make_requester`, or `app` = (url, image, settings, the clients'
-    GIL switch interval) runs clients
-    in up to `client_processes` processes. `metrics` (the engine's) says where the scheduler's time went
-    and how much GPU memory the level took at most; the CPU each process used is measured too."""
+    GIL switch interval) runs clients in up to `client_processes` processes. `metrics` (the engine's) says
+    where the scheduler's time went and how much GPU memory the level took at most; the CPU each process
+    used is measured too."""
     import multiprocessing
 
     metrics.reset()  # also the GPU memory peak
@@ -204,7 +210,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         heard = [r[4] for r in results if "joined_at" in r[4]]
         way_in = {"upload_and_join": [(s["joined_at"] - s["submitted_at"]) * 1000 for s in heard],
                   "gradio_queue": [(s["handler_started_at"] - s["joined_at"]) * 1000 for s in heard],
-                  "handler_to_engine": [(s["requested_at"] - s["handler_started_at"]) * 1000 for s in heard]}
+                  "handler_to_engine": [(s["requested_at"] - s["handler_started_at"]) * 1000 for s in heard]} if heard else {}
         from_engine = [r[0] - to - r[4]["ttft_ms"] for r, to in zip(results, to_engine)]
     engine = metrics.snapshot()
     busy = engine["busy_seconds"]
@@ -223,9 +229,8 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         # then the wait for a prefill wave.
         **p50_p95("preprocess_ms", [r[4]["preprocess_ms"] for r in results]),
         # ...split: reaching the preparer, waiting for a worker, the work, its way back, staging on the GPU.
-        **{f"preparation_ms_{name}": {stage: percentile([r[4]["preparation_ms"][stage] for r in results], fraction)
-                                      for stage in (results[0][4]["preparation_ms"] if results else ())}
-           for name, fraction in (("p50", 0.5), ("p95", 0.95))},
+        **p50_p95_each("preparation_ms", {stage: [r[4]["preparation_ms"][stage] for r in results]
+                                          for stage in (results[0][4]["preparation_ms"] if results else ())}),
         **p50_p95("queue_ms", [r[4]["queue_ms"] for r in results]),
         # From the scheduler's loop to the reply's consumer (in app mode a web process, through the pipe
         # from the engine's process).
@@ -239,8 +244,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
             # ...and that way in split: the upload and the join until the client heard it had joined (so
             # with that message's way back), Gradio's queue until the handler started, the handler's way to
             # the engine (these two stamped in the server).
-            **{f"way_in_ms_{name}": {step: percentile(times, fraction) for step, times in way_in.items() if times}
-               for name, fraction in (("p50", 0.5), ("p95", 0.95))}} if app else {}),
+            **p50_p95_each("way_in_ms", way_in)} if app else {}),
         # Where the scheduler's time went over the whole level (the rest it waited for work), and the
         # media encoder's, which on a GPU runs on a stream of its own alongside both.
         "prefill_busy_share": round(busy["prefill"] / window, 3),
