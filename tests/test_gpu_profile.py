@@ -21,7 +21,21 @@ def test_busy_time_overlap_gaps_and_kinds_of_a_timeline():
     assert report["kernel_ms_by_kind"] == {"matrix products": 4.0, "attention": 1.0, "Triton kernels": 1.0,
                                            "copies": 1.0, "other kernels": 0.99}
     assert report["from_graphs_ms"] == 1.0
+    assert report["top_kernels"]["ampere_bf16_gemm_128x128"] == {"ms": 4.0, "count": 1}
+    assert list(report["top_kernels"])[-1] == "elementwise_kernel"
+    assert report["idle_ms_after"] == {"triton_chunk_gated_delta_rule": 1.0}  # the last to end before the gap
     assert summary([]) == {}
+
+
+def test_long_kernel_names_are_cut_and_the_costliest_come_first():
+    from app.engine.gpu_profile import NAME_CHARS, TOP_NAMES
+
+    spans = [Span(i * MS, i * MS + (i + 1) * 1000, 7, f"kernel_{i}_" + "<float, 128>" * 50, False) for i in range(20)]
+    report = summary(spans)
+    names = list(report["top_kernels"])
+    assert len(names) == TOP_NAMES and all(len(name) == NAME_CHARS and name.endswith("...") for name in names)
+    assert names[0].startswith("kernel_19_") and report["top_kernels"][names[0]] == {"ms": 0.02, "count": 1}
+    assert sum(report["idle_ms_after"].values()) <= report["gaps"]["total_ms"]
 
 
 def test_the_collectors_pauses_are_timed_while_the_block_runs():

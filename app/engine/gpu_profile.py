@@ -3,8 +3,9 @@
 An operator's diagnostic (and `benchmarks/gpu_timeline.py`'s): `ModelManager.profile_gpu(seconds)` runs
 torch's profiler, GPU side only, in the process that drives the GPU (the engine's process by default),
 while users are served as usual, and answers with how much of the window the GPU was busy on any stream,
-each stream's busy time, the time two streams ran at once, the idle gaps, the kernels' time by kind, the
-garbage collector's pauses in the window, and the engine's counters at its start and end.
+each stream's busy time, the time two streams ran at once, the idle gaps (and which kernels they followed),
+the kernels' time by kind and the costliest kernels by name, the garbage collector's pauses in the window,
+and the engine's counters at its start and end.
 """
 
 import gc
@@ -19,6 +20,8 @@ from app.errors import UserError
 KINDS = (("matrix products", ("gemm", "nvjet", "cutlass", "xmma", "splitk")),
          ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
          ("Triton kernels", ("triton", "chunk_", "fused_recurrent", "l2norm")))
+NAME_CHARS = 120
+TOP_NAMES = 12
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,31 @@ def busy_ms(intervals: list[tuple[int, int]]) -> float:
     return sum(end - start for start, end in intervals) / 1e6
 
 
+def short(name: str) -> str:
+    """A kernel's name, cut to what tells it apart in a report (templated names run to thousands of characters)."""
+    return name if len(name) <= NAME_CHARS else name[:NAME_CHARS - 3] + "..."
+
+
+def idle_after(spans: list[Span], gap_ms: float) -> dict[str, float]:
+    """The idle gaps' time by the kernel that ran last before each: what the GPU finished before it ran out
+    of work, so which launches the host was late with."""
+    after: dict[str, float] = {}
+    last_end, last_name = None, ""
+    for span in sorted(spans, key=lambda span: span.start_ns):
+        if last_end is not None and (span.start_ns - last_end) / 1e6 >= gap_ms:
+            after[last_name] = after.get(last_name, 0.0) + (span.start_ns - last_end) / 1e6
+        if last_end is None or span.end_ns > last_end:
+            last_end, last_name = span.end_ns, short(span.name)
+    return after
+
+
+def top(ms_by_name: dict[str, float], counts: dict[str, int] | None = None) -> dict:
+    names = sorted(ms_by_name, key=lambda name: -ms_by_name[name])[:TOP_NAMES]
+    if counts is None:
+        return {name: round(ms_by_name[name], 2) for name in names}
+    return {name: {"ms": round(ms_by_name[name], 2), "count": counts[name]} for name in names}
+
+
 def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
     """What the GPU did over the window the spans cover."""
     if not spans:
@@ -64,9 +92,13 @@ def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
     gaps = [(start - end) / 1e6 for (_, end), (start, _) in zip(window, window[1:]) if (start - end) / 1e6 >= gap_ms]
     streams = {stream: busy_ms(union([s for s in spans if s.stream == stream])) for stream in {s.stream for s in spans}}
     kinds: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for span in spans:
-        label = kind(span)
-        kinds[label] = kinds.get(label, 0.0) + (span.end_ns - span.start_ns) / 1e6
+        ms, name = (span.end_ns - span.start_ns) / 1e6, short(span.name)
+        kinds[kind(span)] = kinds.get(kind(span), 0.0) + ms
+        by_name[name] = by_name.get(name, 0.0) + ms
+        counts[name] = counts.get(name, 0) + 1
     return {
         "window_ms": round(window_ms, 2),
         "busy_ms": round(busy, 2),
@@ -77,6 +109,8 @@ def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
                  "longest_ms": [round(gap, 2) for gap in sorted(gaps, reverse=True)[:5]]},
         "kernel_ms_by_kind": {label: round(ms, 2) for label, ms in sorted(kinds.items(), key=lambda item: -item[1])},
         "from_graphs_ms": round(sum((s.end_ns - s.start_ns) / 1e6 for s in spans if s.from_graph), 2),
+        "top_kernels": top(by_name, counts),
+        "idle_ms_after": top(idle_after(spans, gap_ms)),
     }
 
 
