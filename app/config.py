@@ -31,6 +31,7 @@ class AppConfig:
     engine_process: bool = True  # the model runs in a process of its own (app.engine.engine_process)
     prepare_processes: int = -1  # app.engine.preparers.preparer_processes
     web_processes: int = 1  # Gradio servers sharing the engine process, behind one address (app.web_processes)
+    front_processes: int = 0  # with web_processes > 1: proxies at that address; 0: app.web_processes.front_processes
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = "openbmb/MiniCPM-V-4.6"
@@ -76,8 +77,11 @@ _OPTIONS = [
      "with a CUDA GPU, 0 (threads of the engine's process) otherwise."),
     ("--web-processes", "web_processes", "MINICPMV_WEB_PROCESSES", int,
      "Web server processes sharing the model, behind one address; more serve more users at once when one "
-     "process's Python is the limit (a GPU box with hundreds of users: 4). Not with --share, --auth, "
+     "process's Python is the limit (200 users at once on a GPU box: 8). Not with --share, --auth, "
      "--allow-model-switch, --in-process-engine or --backend openai."),
+    ("--front-processes", "front_processes", "MINICPMV_FRONT_PROCESSES", int,
+     "With --web-processes above 1: processes relaying the public address's traffic to the web processes; "
+     f"0: one for every {limits.WEB_PROCESSES_PER_FRONT} web processes."),
     ("--max-batch-size", "max_batch_size", "MINICPMV_MAX_BATCH_SIZE", int,
      "Requests decoded together in one batch (each costs GPU memory for its state: about 19 MB plus 12 KB "
      "per token at the 4.6 shape)."),
@@ -130,6 +134,8 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--auth takes USER:PASSWORD, both non-empty")
     if args.web_processes < 1:
         parser.error("--web-processes is 1 or more")
+    if args.front_processes < 0:
+        parser.error("--front-processes is 0 (automatic) or more")
     if args.web_processes > 1:
         # Login tokens and the model's cached defaults live in each web process; a share link reaches one port.
         clashes = [flag for flag, on in (("--share", args.share), ("--auth", args.auth), ("--allow-model-switch", args.allow_model_switch),

@@ -4,10 +4,11 @@ each Gradio session on one web process.
 A Gradio session lives in the process that serves it: its state, its queue of events, the stream of its
 events' messages and its heartbeat. Every request of a session names it (a `session_hash` in the query
 or the JSON body, or in the path of the heartbeat), and so does an upload's progress (`upload_id`); the
-proxy sends requests that name the same key to the same process (by a hash of the key). Event ids that
-a process hands out (joining the queue, the REST API's /call) are remembered, so that the requests that
-follow one up find their process too. Everything else (the page, its assets, uploads, files, /metrics)
-goes to the processes in turn: they share the upload folder and one engine process.
+proxy sends requests that name the same key to the same process (by a hash of the key). The REST API's
+POST /call hands out an event id and names no session; the proxy tags that id with its process
+(`abc.w1`), so the GET that follows it finds the process whichever proxy process takes it (several can
+share the address: app.web_processes.Fronts). Everything else (the page, its assets, uploads, files,
+/metrics) goes to the processes in turn: they share the upload folder and one engine process.
 """
 
 import itertools
@@ -15,7 +16,6 @@ import json
 import logging
 import re
 import zlib
-from collections import OrderedDict
 
 import httpx
 from starlette.background import BackgroundTask
@@ -31,8 +31,8 @@ _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-auth
                b"transfer-encoding", b"upgrade"}
 _KEYS_IN_QUERY = ("session_hash", "upload_id")
 _KEY_IN_BODY = ("/queue/join", "/cancel", "/component_server", "/component_server/")  # POSTs whose JSON names the session
-_HANDS_OUT_EVENT_IDS = re.compile(r"/(queue/join|call/.+)$")
-_REMEMBERED_EVENTS = 100_000
+_HANDS_OUT_EVENT_IDS = re.compile(r"/call/.+$")  # the REST API's POST /call/{api} (and /call/v2/{api})
+_TAG = re.compile(r"^(.+)\.w(\d+)$")  # an event id tagged with its process; Gradio's own ids are hex
 
 
 def routing_key(path: str, query: dict, body: bytes | None) -> str | None:
@@ -60,23 +60,29 @@ def routing_key(path: str, query: dict, body: bytes | None) -> str | None:
 
 
 class SessionRouter:
-    """Which web process serves a request: the same one for every request of a session."""
+    """Which web process serves a request: the same one for every request of a session or tagged event."""
 
     def __init__(self, count: int):
         self.count = count
         self._turns = itertools.count()
-        self._events: OrderedDict[str, int] = OrderedDict()  # event id -> process, newest last
 
     def pick(self, key: str | None) -> int:
         if key is None:
             return next(self._turns) % self.count
-        known = self._events.get(key)
-        return known if known is not None else zlib.crc32(key.encode()) % self.count
+        _, tagged = untag(key)
+        if tagged is not None and tagged < self.count:
+            return tagged
+        return zlib.crc32(key.encode()) % self.count
 
-    def remember(self, event_id: str, index: int) -> None:
-        self._events[event_id] = index
-        if len(self._events) > _REMEMBERED_EVENTS:
-            self._events.popitem(last=False)
+
+def tag(event_id: str, index: int) -> str:
+    return f"{event_id}.w{index}"
+
+
+def untag(key: str) -> tuple[str, int | None]:
+    """(the event id as its process knows it, that process) for a tagged id; (key, None) for any other key."""
+    match = _TAG.match(key)
+    return (match.group(1), int(match.group(2))) if match else (key, None)
 
 
 class Front:
@@ -109,7 +115,7 @@ class Front:
         if request.method == "POST" and incoming.status_code == 200 and _HANDS_OUT_EVENT_IDS.search(scope["path"]):
             content = b"".join([chunk async for chunk in incoming.aiter_raw()])
             await incoming.aclose()
-            self._remember_event(content, incoming.headers.get("content-encoding"), index)
+            content = self._tagged_event(content, incoming.headers.get("content-encoding"), index)
             response = Response(content, status_code=incoming.status_code)
             response_headers = [(name, value) for name, value in response_headers if name.lower() != b"content-length"]
             response_headers.append((b"content-length", str(len(content)).encode()))
@@ -130,6 +136,8 @@ class Front:
         headers += [(b"x-forwarded-for", (scope["client"][0] if scope.get("client") else "").encode()),
                     (b"x-forwarded-proto", scope["scheme"].encode())]
         target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        if key is not None and untag(key)[1] is not None:  # the process knows the event by its own id
+            target = target.replace(key, untag(key)[0])
         if scope["query_string"]:
             target += "?" + scope["query_string"].decode("latin-1")
         # A request that can be sent again (no body, or one read here) is tried twice on its process: a kept-alive
@@ -162,13 +170,14 @@ class Front:
             if not self.closing:
                 log.warning("Web process %d broke off a response: %s", index, error)
 
-    def _remember_event(self, content: bytes, encoding: str | None, index: int) -> None:
+    def _tagged_event(self, content: bytes, encoding: str | None, index: int) -> bytes:
+        """The response to POST /call with its event id tagged with the process that holds the event."""
         if encoding:  # compressed: Gradio compresses only large responses, and event ids are small
-            return
+            return content
         try:
-            event_id = json.loads(content).get("event_id")
-        except (ValueError, AttributeError):
-            return
-        if isinstance(event_id, str):
-            self.router.remember(event_id, index)
-
+            answer = json.loads(content)
+        except ValueError:
+            return content
+        if not isinstance(answer, dict) or not isinstance(answer.get("event_id"), str):
+            return content
+        return json.dumps({**answer, "event_id": tag(answer["event_id"], index)}).encode()

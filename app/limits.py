@@ -95,6 +95,9 @@ PREPARATION_WAIT_SHOWN_MS = 50
 PREPARE_CONCURRENCY = _limit("PREPARE_CONCURRENCY", 4)  # requests whose images are decoded and sliced at once
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
 WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen
+# --web-processes: front processes (the proxy at the public address) when --front-processes is 0. The front
+# spends about half a web process's CPU on an upload and carries every web process's traffic.
+WEB_PROCESSES_PER_FRONT = 3
 ENGINE_CONNECT_TIMEOUT_S = 600  # a web process waits this long for the engine process to listen (a model loading)
 # A reply's text goes out at most this often (tokens in between are sent together): smooth to read,
 # and hundreds of streams do not flood the server with one event per token.

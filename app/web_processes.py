@@ -8,9 +8,10 @@ process, so the processes cannot simply share a port: app.front sends each sessi
 
 Layout, all started here: the engine process (app.engine.engine_process, listening on a local socket),
 then N web processes one after another (each the whole Gradio app on a local port, with its own
-connection to the engine process), then this process serves the public address through app.front.Front
-until it is stopped (Ctrl+C, SIGTERM). A web process that dies is started again; the engine process is
-restarted by its EngineProcess, as with one web process, and the web processes connect to the new one.
+connection to the engine process), then the front processes (app.front.Front), which take turns at the
+public address's socket. This process watches them until it is stopped (Ctrl+C, SIGTERM). A web or front
+process that dies is started again; the engine process is restarted by its EngineProcess, as with one
+web process, and the web processes connect to the new one.
 """
 
 import logging
@@ -42,40 +43,42 @@ def start_engine(config: AppConfig) -> EngineProcess:
     return engine
 
 
-class WebProcesses:
-    """`count` web processes on local ports, each serving the whole app over its own engine connection."""
+class ChildProcesses:
+    """`count` processes of one kind, each telling the parent when it serves; one that dies is started again."""
 
-    def __init__(self, config: AppConfig, engine_listen: tuple[str, bytes], count: int):
-        self.config, self.engine_listen = config, engine_listen
-        self.ports = [_free_port() for _ in range(count)]
+    kind = "Child process"
+
+    def __init__(self, count: int):
         self._processes: list = [None] * count
         self._context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads
         self._ready = self._context.Queue()
         self._closing = threading.Event()
 
     @property
-    def urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{port}" for port in self.ports]
-
-    @property
     def pids(self) -> list[int]:
         return [process.pid for process in self._processes if process is not None]
 
+    def _main(self, index: int) -> tuple:
+        """The child's target and its arguments (the ready queue is added)."""
+        raise NotImplementedError
+
+    def _serves(self, index: int) -> str:
+        raise NotImplementedError
+
     def start(self) -> None:
-        # The first caches the example media in the shared upload folder; the others, started together
-        # after it, find them there. Each takes seconds (Gradio's import, the UI), one after another
-        # 20 s each on an H200 box.
-        self._start([0])
-        self._start(range(1, len(self.ports)))
-        threading.Thread(target=self._watch, name="web-process-watch", daemon=True).start()
+        self._start(range(len(self._processes)))
+        self._watch_thread()
+
+    def _watch_thread(self) -> None:
+        threading.Thread(target=self._watch, name=f"{self.kind.lower()}-watch", daemon=True).start()
 
     def _start(self, indices) -> None:
-        """Start the web processes `indices` and wait until every one of them serves."""
+        """Start the processes `indices` and wait until every one of them serves."""
         starting = {}
         for index in indices:
-            config = replace(self.config, host="127.0.0.1", port=self.ports[index])
-            process = self._context.Process(target=_serve_web, args=(config, index, self.engine_listen, self._ready),
-                                            name=f"minicpmv-web-{index}")
+            target, *args = self._main(index)
+            process = self._context.Process(target=target, args=(*args, self._ready),
+                                            name=f"minicpmv-{self.kind.lower().replace(' ', '-')}-{index}")
             process.start()
             self._processes[index] = starting[index] = process
         deadline = time.monotonic() + limits.WEB_PROCESS_START_TIMEOUT_S
@@ -86,33 +89,97 @@ class WebProcesses:
                 for late, process in starting.items():
                     if not process.is_alive() or time.monotonic() > deadline:
                         process.kill()
-                        raise RuntimeError(f"Web process {late} did not start (exit code {process.exitcode}); see the log above")
+                        raise RuntimeError(f"{self.kind} {late} did not start (exit code {process.exitcode}); see the log above")
                 continue
             if index in starting:
                 process = starting.pop(index)
-                log.info("Web process %d (pid %d) serves on port %d", index, process.pid, self.ports[index])
+                log.info("%s %d (pid %d) serves %s", self.kind, index, process.pid, self._serves(index))
 
     def _watch(self) -> None:
         while not self._closing.wait(1):
             for index, process in enumerate(self._processes):
                 if process.is_alive() or self._closing.is_set():
                     continue
-                log.error("Web process %d stopped (exit code %s); starting a new one", index, process.exitcode)
+                log.error("%s %d stopped (exit code %s); starting a new one", self.kind, index, process.exitcode)
                 try:
                     self._start([index])
                 except RuntimeError as error:
                     log.error("%s", error)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask every process to end (SIGTERM), without waiting."""
         self._closing.set()
         for process in self._processes:
             if process is not None and process.is_alive():
                 process.terminate()
+
+    def close(self) -> None:
+        self.stop()
         for process in self._processes:
             if process is not None:
                 process.join(10)
                 if process.is_alive():  # stuck: it must not outlive the app
                     process.kill()
+
+
+class WebProcesses(ChildProcesses):
+    """`count` web processes on local ports, each serving the whole app over its own engine connection."""
+
+    kind = "Web process"
+
+    def __init__(self, config: AppConfig, engine_listen: tuple[str, bytes], count: int):
+        super().__init__(count)
+        self.config, self.engine_listen = config, engine_listen
+        self.ports = [_free_port() for _ in range(count)]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.ports]
+
+    def _main(self, index: int) -> tuple:
+        return _serve_web, replace(self.config, host="127.0.0.1", port=self.ports[index]), index, self.engine_listen
+
+    def _serves(self, index: int) -> str:
+        return f"on port {self.ports[index]}"
+
+    def start(self) -> None:
+        # The first caches the example media in the shared upload folder; the others, started together
+        # after it, find them there. Each takes seconds (Gradio's import, the UI), one after another
+        # 20 s each on an H200 box.
+        self._start([0])
+        self._start(range(1, len(self.ports)))
+        self._watch_thread()
+
+
+class Fronts(ChildProcesses):
+    """`count` proxy processes (app.front) taking turns at one listening socket, the public address.
+
+    Why more than one: every byte of every upload and every streamed message of every user passes through
+    the proxy. On the dev machine it spends about 11 ms of CPU on one 5.4 MB upload (a web process 25); a
+    burst of 200 users' uploads is then seconds of one process's work, whatever the web processes' count.
+    The socket is bound here, once: a port already taken fails here, clearly, and the processes inherit it.
+    """
+
+    kind = "Front"
+
+    def __init__(self, host: str, port: int, backends: list[str], count: int):
+        super().__init__(count)
+        self.host, self.port, self.backends = host, port, backends
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.socket = socket.create_server((host, port), family=family, backlog=2048)
+        except OSError as error:
+            raise RuntimeError(f"Could not serve on {host}:{port}: {error}") from None
+
+    def _main(self, index: int) -> tuple:
+        return _serve_front, index, self.socket, self.backends
+
+    def _serves(self, index: int) -> str:
+        return f"{self.host}:{self.port} for {len(self.backends)} web processes"
+
+    def close(self) -> None:
+        super().close()
+        self.socket.close()
 
 
 def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], ready) -> None:
@@ -129,20 +196,38 @@ def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], 
     demo.block_thread()
 
 
-def start_front(host: str, port: int, backends: list[str]):
-    """Serve the public address (uvicorn, on a thread of its own) until the returned server's should_exit is set."""
+def _serve_front(index: int, listening: socket.socket, backends: list[str], ready) -> None:
+    """A front's main: serve the public address's connections that this process accepts, until SIGTERM."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the parent too: it stops us
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front {index}]: %(message)s")
+    server = start_front(listening, backends)
+    ready.put(index)
+    while not stop.wait(0.5) and server.thread.is_alive():
+        pass
+    # The parent stops the web processes next: the streams relayed from them end, and uvicorn's graceful
+    # shutdown with them.
+    server.front.closing = True
+    server.should_exit = True
+    server.thread.join(15)
+
+
+def start_front(listening: socket.socket, backends: list[str]):
+    """Serve connections of the `listening` socket (uvicorn, on a thread of its own, so that it installs no
+    signal handlers) until the returned server's should_exit is set."""
     import uvicorn
 
     from app.front import Front
 
     front = Front(backends)
-    server = uvicorn.Server(uvicorn.Config(front, host=host, port=port, lifespan="off", ws="none",
-                                           log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, name="front", daemon=True)
+    server = uvicorn.Server(uvicorn.Config(front, lifespan="off", ws="none", log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, name="front", daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
-            raise RuntimeError(f"Could not serve on {host}:{port}; see the log above")
+            raise RuntimeError("The front did not start; see the log above")
         time.sleep(0.05)
     server.thread, server.front = thread, front
     return server
@@ -155,28 +240,30 @@ def serve_with_web_processes(config: AppConfig) -> None:
     use_upload_folder(config)  # before the web processes start: they share it
     engine = start_engine(config)
     web = WebProcesses(config, engine.listen, config.web_processes)
-    server = None
+    fronts = None
     try:
         web.start()
-        server = start_front(config.host, config.port, web.urls)
+        fronts = Fronts(config.host, config.port, web.urls, front_processes(config))
+        fronts.start()
         stop = threading.Event()
-        # Not uvicorn's handlers: once stopped, it raises the signal again, which would end this process
-        # before it has stopped the others.
         for signal_number in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signal_number, lambda *_: stop.set())
-        print(f"* Running on http://{config.host}:{config.port} ({config.web_processes} web processes, one engine process)",
-              flush=True)
-        while not stop.wait(0.5) and server.thread.is_alive():
-            pass
+        print(f"* Running on http://{config.host}:{config.port} ({config.web_processes} web processes, "
+              f"{len(fronts.pids)} front processes, one engine process)", flush=True)
+        stop.wait()
     finally:
-        if server is not None:
-            server.front.closing = True
-        web.close()  # first: the streams the front relays (heartbeats, replies) end, and it can stop at once
-        if server is not None:
-            server.should_exit = True
-            server.thread.join(15)
+        if fronts is not None:
+            fronts.stop()  # first: they stop taking connections, and end as the streams they relay end
+        web.close()
+        if fronts is not None:
+            fronts.close()
         engine.close()
         shutil.rmtree(os.path.dirname(engine.listen[0]), ignore_errors=True)  # the engine's socket
+
+
+def front_processes(config: AppConfig) -> int:
+    """--front-processes, or when it is 0, one for every WEB_PROCESSES_PER_FRONT web processes."""
+    return config.front_processes or -(-config.web_processes // limits.WEB_PROCESSES_PER_FRONT)
 
 
 def _free_port() -> int:

@@ -9,8 +9,8 @@ flight; unfinished ones are reported, not hidden. Two modes:
                  the level's clock starts, as users whose page is open (connecting is timed apart).
 Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
 it in the benchmark's (or the app's) process instead, as before that split. In app mode, --web-processes N
-serves the app as `python app.py --web-processes N` does: N web processes behind app.front's proxy, which
-then runs in this process.
+serves the app as `python app.py --web-processes N` does: N web processes behind app.front's proxy, in
+--front-processes processes (0: as many as the app would start).
 Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
 
     python benchmarks/concurrency.py --levels 1,10,50,100,200 --json results.json
@@ -165,11 +165,12 @@ def _app_client_process(url, users, duration, grace, image_path, settings, switc
 
 
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
-              engine_pid: int | None = None, web_pids: tuple[int, ...] = (), client_processes: int = CLIENT_PROCESSES) -> dict:
+              engine_pid: int | None = None, serving: dict[str, tuple[int, ...]] | None = None,
+              client_processes: int = CLIENT_PROCESSES) -> dict:
     """One level; in-process users call `make_requester`, or `app` = (url, image, settings, the clients'
     GIL switch interval) runs clients in up to `client_processes` processes. `metrics` (the engine's) says
     where the scheduler's time went and how much GPU memory the level took at most; the CPU each process
-    used is measured too."""
+    used is measured too (`serving`: the web and front processes, by group)."""
     import multiprocessing
 
     metrics.reset()  # also the GPU memory peak
@@ -189,7 +190,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         for process in processes:
             process.start()
         connect_s = max(ready.get(timeout=600) for _ in processes)
-        cpu = CpuUse(engine_pid or os.getpid(), clients=tuple(process.pid for process in processes), web=web_pids)
+        cpu = CpuUse(engine_pid or os.getpid(), clients=tuple(process.pid for process in processes), serving=serving)
         started = time.time()
         go.set()
         results, failures, unfinished = [], [], 0
@@ -279,7 +280,9 @@ def main() -> None:
                         help="app mode: the client processes' GIL switch interval in seconds (default Python's, as in the runs "
                              "recorded before this option)")
     parser.add_argument("--web-processes", type=int, default=1,
-                        help="app mode: web processes behind app.front in this process (python app.py --web-processes)")
+                        help="app mode: web processes behind app.front (python app.py --web-processes)")
+    parser.add_argument("--front-processes", type=int, default=0,
+                        help="app mode, with --web-processes above 1: proxy processes (python app.py --front-processes)")
     args = parser.parse_args()
 
     import torch
@@ -298,7 +301,8 @@ def main() -> None:
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     levels = [int(level) for level in args.levels.split(",")]
     config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine,
-                       web_processes=args.web_processes, prepare_processes=args.prepare_processes)
+                       web_processes=args.web_processes, front_processes=args.front_processes,
+                       prepare_processes=args.prepare_processes)
     if config.web_processes > 1:
         from app.main import use_upload_folder
         from app.web_processes import start_engine
@@ -317,14 +321,16 @@ def main() -> None:
     def make_requester():
         return lambda abort: engine_request(manager, messages, generation, abort)
 
-    app, web = None, None
+    app, web, fronts = None, None, None
     if args.mode == "app" and config.web_processes > 1:
-        from app.web_processes import WebProcesses, start_front
+        from app.web_processes import Fronts, WebProcesses, front_processes
 
         web = WebProcesses(config, manager.listen, config.web_processes)
         web.start()
+        fronts = Fronts("127.0.0.1", config.port, web.urls, front_processes(config))
+        fronts.start()
         print(f"web processes: {' '.join(map(str, web.pids))}", flush=True)
-        start_front("127.0.0.1", config.port, web.urls)
+        print(f"front processes: {' '.join(map(str, fronts.pids))}", flush=True)
         app = (f"http://127.0.0.1:{config.port}", image_path, settings, args.client_switch_interval)
     elif args.mode == "app":
         from app.main import launch
@@ -337,7 +343,7 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
         "engine": "process of its own" if config.engine_process else "in-process",
-        "web_processes": config.web_processes, **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
+        "web_processes": config.web_processes, "front_processes": len(fronts.pids) if fronts else 0, **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
         "new_tokens": args.new_tokens, "image_format": args.image_format, "duration_s": args.duration, "levels": [],
     }
     if getattr(manager, "pid", None):
@@ -345,12 +351,15 @@ def main() -> None:
     for users in levels:
         print(f"level {users} users: started", flush=True)  # for a profiler waiting to attach
         level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None),
-                          tuple(web.pids) if web else (), args.client_processes)
+                          {"web_processes": tuple(web.pids), "fronts": tuple(fronts.pids)} if web else None,
+                          args.client_processes)
         report["levels"].append(level)
         print(json.dumps(level), flush=True)
     write_json(args.json, report)
     if web:
+        fronts.stop()
         web.close()
+        fronts.close()
 
 
 if __name__ == "__main__":

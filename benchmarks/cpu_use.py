@@ -56,11 +56,12 @@ def own_cpu_seconds() -> float:
 
 
 class CpuUse:
-    """Cores used from its creation to `cores()`: this process, the engine process and its preparers."""
+    """Cores used from its creation to `cores()`: this process, the engine process and its preparers, and
+    any other groups of processes named."""
 
-    def __init__(self, engine_pid: int, clients: tuple[int, ...] = (), web: tuple[int, ...] = ()):
+    def __init__(self, engine_pid: int, clients: tuple[int, ...] = (), serving: dict[str, tuple[int, ...]] | None = None):
         self.engine_pid = engine_pid
-        self.web = web  # web processes (app.web_processes); this process is then the front
+        self.serving = serving or {}  # more processes by group: {"web_processes": pids, "fronts": pids}
         # The engine's children are its preparers (with --in-process-engine, the clients' processes too).
         self.workers = [pid for pid in _children(engine_pid) if pid not in clients]
         self.started = time.time()
@@ -71,7 +72,7 @@ class CpuUse:
             "this_process": own_cpu_seconds(),
             "engine_process": process_cpu_seconds(self.engine_pid) if self.engine_pid != os.getpid() else 0.0,
             "preparers": sum(process_cpu_seconds(pid) for pid in self.workers),
-            **({"web_processes": sum(process_cpu_seconds(pid) for pid in self.web)} if self.web else {}),
+            **{group: sum(process_cpu_seconds(pid) for pid in pids) for group, pids in self.serving.items()},
             "threads": _own_threads(),
         }
 

@@ -1,4 +1,5 @@
-"""python app.py --web-processes 2: two web processes behind one address, sharing one engine process."""
+"""python app.py --web-processes 2 --front-processes 2: two web processes behind one address (two proxy
+processes taking turns at it), sharing one engine process."""
 
 import json
 import os
@@ -14,7 +15,7 @@ from gradio_client import Client
 
 from app.config import parse_config
 from app.engine.settings import GenerationSettings
-from app.front import SessionRouter, routing_key
+from app.front import SessionRouter, routing_key, tag, untag
 from tests.conftest import ROOT, free_port, make_image, picture_requests, wait_for
 from tests.test_api import FIXED, stream
 from tests import test_browser
@@ -22,6 +23,7 @@ from tests.test_browser import STATS_LINE, ask_about_an_image, open_page, set_ma
 from tests.test_engine_process import answers_at_once, reply, user
 
 PROCESSES = 2
+FRONTS = 2
 browser = test_browser.browser  # the fixture, shared
 
 
@@ -32,7 +34,8 @@ class App:
         env = {**os.environ, "MINICPMV_UPLOAD_MAX_AGE_S": "3600"}
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "app.py", "--model", "tiny-random", "--port", str(port), "--web-processes", str(PROCESSES)],
+                [sys.executable, "app.py", "--model", "tiny-random", "--port", str(port), "--web-processes", str(PROCESSES),
+                 "--front-processes", str(FRONTS)],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def log(self) -> str:
@@ -40,7 +43,10 @@ class App:
 
     def web_pids(self) -> dict[int, int]:
         """Web process index -> pid, the latest of each (from the log)."""
-        return {int(index): int(pid) for index, pid in re.findall(r"Web process (\d+) \(pid (\d+)\) serves", self.log())}
+        return self.pids("Web process")
+
+    def pids(self, kind: str) -> dict[int, int]:
+        return {int(index): int(pid) for index, pid in re.findall(rf"{kind} (\d+) \(pid (\d+)\) serves", self.log())}
 
     def metric(self, name: str) -> float:
         text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
@@ -136,6 +142,17 @@ def test_a_web_process_that_dies_is_replaced_and_its_request_leaves_the_batch(ap
     assert stream(fresh, "Back?", [], FIXED)[1][1]["new_tokens"] == 24
 
 
+def test_a_front_that_dies_is_replaced_and_the_other_serves_meanwhile(app):
+    fronts = app.pids("Front")
+    assert sorted(fronts) == list(range(FRONTS))
+    os.kill(fronts[0], signal.SIGKILL)
+    for _ in range(10):  # new connections, at once: the other front takes them all
+        assert httpx.get(app.url + "/metrics", timeout=30).status_code == 200
+    assert wait_for(lambda: app.pids("Front")[0] != fronts[0], 60), app.log()
+    for client in clients_on_each_process(app.url, 1):
+        assert stream(client, "Still there?", [], FIXED)[1][1]["new_tokens"] == 24
+
+
 def test_a_crashed_engine_process_is_restarted_and_both_web_processes_reconnect(app):
     def engine_pids():
         return re.findall(r"Engine process (\d+) serves", app.log())
@@ -158,8 +175,10 @@ def test_routing_keys_of_gradio_requests():
     router = SessionRouter(3)
     assert {router.pick(None) for _ in range(3)} == {0, 1, 2}  # no session: in turn
     assert len({router.pick("same") for _ in range(5)}) == 1
-    router.remember("event", 2)
-    assert router.pick("event") == 2
+    # The REST API's event ids come back tagged with their process, which any front can read.
+    assert untag(tag("0f3a9c", 2)) == ("0f3a9c", 2) and router.pick(tag("0f3a9c", 2)) == 2
+    assert untag("0f3a9c") == ("0f3a9c", None)
+    assert router.pick(tag("0f3a9c", 7)) in (0, 1, 2)  # a process this layout does not have: hashed like any key
 
 
 @pytest.mark.parametrize("flag", [["--share"], ["--auth", "a:b"], ["--allow-model-switch"], ["--in-process-engine"],
