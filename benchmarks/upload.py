@@ -8,10 +8,13 @@ switch interval (5 ms by default) once or more. This serves a bare Gradio app in
 `--busy-threads` threads running pure Python beside it, and times uploads of the benchmark's PNG from
 another process, at each switch interval asked for, `--at-once` of them at the same time (as a web
 process's users send theirs when their replies end together). Without busy threads it also reports the
-server's CPU per upload. Medians; runs anywhere:
+server's CPU per upload. With --fronts N the uploads go through N processes of the app's proxy
+(app.front, as `python app.py --web-processes` serves them), and their CPU per upload is reported too.
+Medians; runs anywhere:
 
     python benchmarks/upload.py --busy-threads 0,1,4 --switch-intervals 0.005,0.0005 --json upload.json
     python benchmarks/upload.py --runs 50 --busy-threads 0 --switch-intervals 0.0005 --at-once 1,8,25
+    python benchmarks/upload.py --runs 100 --busy-threads 0 --switch-intervals 0.0005 --fronts 1
 """
 
 import argparse
@@ -26,6 +29,7 @@ from multiprocessing import get_context
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.real_shape import benchmark_request  # noqa: E402
+from benchmarks.cpu_use import process_cpu_seconds  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 
 
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--image-format", choices=["png", "jpeg"], default="png")
     parser.add_argument("--at-once", default="1", help="uploads sent at the same time, e.g. 1,8,25 (a web process's "
                                                       "users coming back together)")
+    parser.add_argument("--fronts", type=int, default=0, help="proxy processes (app.front) the uploads go through")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -89,9 +94,16 @@ def main() -> None:
     with gr.Blocks() as demo:
         gr.File()
     demo.launch(prevent_thread_lock=True, quiet=True, server_port=7898)
+    url, fronts = "http://127.0.0.1:7898", None
+    if args.fronts:
+        from app.web_processes import Fronts
+
+        fronts = Fronts("127.0.0.1", 7897, [url], args.fronts)
+        fronts.start()
+        url = "http://127.0.0.1:7897"
     path, _ = benchmark_request(args.image_format)
     report = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "image_bytes": os.path.getsize(path),
-              "gradio": gr.__version__, "rows": []}
+              "gradio": gr.__version__, "fronts": args.fronts, "rows": []}
     for interval in [float(value) for value in args.switch_intervals.split(",")]:
         sys.setswitchinterval(interval)
         for threads in [int(value) for value in args.busy_threads.split(",")]:
@@ -102,8 +114,10 @@ def main() -> None:
                     worker.start()
                 writes.clear()
                 cpu_started = time.process_time()
-                times = timed_uploads("http://127.0.0.1:7898", path, args.runs, at_once)
+                fronts_started = sum(map(process_cpu_seconds, fronts.pids)) if fronts else 0.0
+                times = timed_uploads(url, path, args.runs, at_once)
                 cpu_ms = (time.process_time() - cpu_started) * 1000
+                fronts_ms = (sum(map(process_cpu_seconds, fronts.pids)) - fronts_started) * 1000 if fronts else None
                 stop.set()
                 for worker in workers:
                     worker.join()
@@ -112,11 +126,14 @@ def main() -> None:
                        "upload_ms_max": round(1000 * max(times), 1),
                        # The server's CPU for one upload (this process's, so only without busy threads).
                        "server_cpu_ms_per_upload": round(cpu_ms / args.runs, 1) if not threads else None,
+                       "fronts_cpu_ms_per_upload": round(fronts_ms / args.runs, 1) if fronts else None,
                        "chunk_writes_per_upload": round(len(writes) / args.runs, 1),
                        "chunk_kib_median": round(statistics.median(writes) / 1024, 1) if writes else None}
                 report["rows"].append(row)
                 print(json.dumps(row), flush=True)
     sys.setswitchinterval(0.005)
+    if fronts:
+        fronts.close()
     demo.close()
     write_json(args.json, report)
 
