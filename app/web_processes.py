@@ -155,8 +155,9 @@ class Fronts(ChildProcesses):
     """`count` proxy processes (app.front) taking turns at one listening socket, the public address.
 
     Why more than one: every byte of every upload and every streamed message of every user passes through
-    the proxy. On the dev machine it spends about 11 ms of CPU on one 5.4 MB upload (a web process 25); a
-    burst of 200 users' uploads is then seconds of one process's work, whatever the web processes' count.
+    the proxy. On the dev machine it spends about 12 ms of CPU on one 5.4 MB upload (a web process 25); a
+    burst of 200 users' uploads is then seconds of one process's work, whatever the web processes' count
+    (benchmarks/RESULTS.md, "Early-morning run (2026-12-02, 01:14 UTC)").
     The socket is bound here, once: a port already taken fails here, clearly, and the processes inherit it.
     """
 
@@ -250,7 +251,8 @@ def serve_with_web_processes(config: AppConfig) -> None:
             signal.signal(signal_number, lambda *_: stop.set())
         print(f"* Running on http://{config.host}:{config.port} ({config.web_processes} web processes, "
               f"{len(fronts.pids)} front processes, one engine process)", flush=True)
-        stop.wait()
+        while not stop.wait(0.5):  # a timed wait: the signal handlers run between waits
+            pass
     finally:
         if fronts is not None:
             fronts.stop()  # first: they stop taking connections, and end as the streams they relay end
