@@ -188,3 +188,13 @@ def test_web_processes_refuse_what_lives_in_one_process(flag, capsys):
         parse_config(["--web-processes", "2", *flag])
     assert f"does not go with {' '.join(flag[:1] if flag[0] != '--backend' else flag)}" in capsys.readouterr().err
     assert parse_config(["--web-processes", "2"]).web_processes == 2
+
+
+def test_front_processes_follow_the_web_processes_unless_set(capsys):
+    from app.web_processes import front_processes
+
+    assert [front_processes(parse_config(["--web-processes", str(count)])) for count in (2, 3, 4, 8)] == [1, 1, 2, 3]
+    assert front_processes(parse_config(["--web-processes", "8", "--front-processes", "5"])) == 5
+    with pytest.raises(SystemExit):
+        parse_config(["--web-processes", "2", "--front-processes", "-1"])
+    assert "--front-processes is 0 (automatic) or more" in capsys.readouterr().err
