@@ -249,8 +249,9 @@ def serve_with_web_processes(config: AppConfig) -> None:
         stop = threading.Event()
         for signal_number in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signal_number, lambda *_: stop.set())
+        proxies = len(fronts.pids)
         print(f"* Running on http://{config.host}:{config.port} ({config.web_processes} web processes, "
-              f"{len(fronts.pids)} front processes, one engine process)", flush=True)
+              f"{proxies} proxy process{'es' if proxies > 1 else ''}, one engine process)", flush=True)
         while not stop.wait(0.5):  # a timed wait: the signal handlers run between waits
             pass
     finally:
