@@ -343,7 +343,8 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
         "engine": "process of its own" if config.engine_process else "in-process",
-        "web_processes": config.web_processes, "front_processes": len(fronts.pids) if fronts else 0, **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
+        "web_processes": config.web_processes, "front_processes": len(fronts.pids) if fronts else 0,
+        **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
         "new_tokens": args.new_tokens, "image_format": args.image_format, "duration_s": args.duration, "levels": [],
     }
     if getattr(manager, "pid", None):
