@@ -136,6 +136,8 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--web-processes is 1 or more")
     if args.front_processes < 0:
         parser.error("--front-processes is 0 (automatic) or more")
+    if args.front_processes and args.web_processes == 1:  # one web process serves the address itself
+        parser.error("--front-processes goes with --web-processes above 1")
     if args.web_processes > 1:
         # Login tokens and the model's cached defaults live in each web process; a share link reaches one port.
         clashes = [flag for flag, on in (("--share", args.share), ("--auth", args.auth), ("--allow-model-switch", args.allow_model_switch),

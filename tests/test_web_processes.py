@@ -198,3 +198,6 @@ def test_front_processes_follow_the_web_processes_unless_set(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--web-processes", "2", "--front-processes", "-1"])
     assert "--front-processes is 0 (automatic) or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(["--front-processes", "2"])
+    assert "--front-processes goes with --web-processes above 1" in capsys.readouterr().err
