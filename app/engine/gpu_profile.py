@@ -63,17 +63,17 @@ def short(name: str) -> str:
     return name if len(name) <= NAME_CHARS else name[:NAME_CHARS - 3] + "..."
 
 
-def idle_after(spans: list[Span], gap_ms: float) -> dict[str, float]:
-    """The idle gaps' time by the kernel that ran last before each: what the GPU finished before it ran out
-    of work, so which launches the host was late with."""
-    after: dict[str, float] = {}
+def idle_gaps(spans: list[Span], gap_ms: float) -> list[tuple[float, str]]:
+    """Each idle gap of at least `gap_ms` (ms), with the kernel that ran last before it: what the GPU
+    finished before it ran out of work, so which launches the host was late with."""
+    gaps = []
     last_end, last_name = None, ""
     for span in sorted(spans, key=lambda span: span.start_ns):
         if last_end is not None and (span.start_ns - last_end) / 1e6 >= gap_ms:
-            after[last_name] = after.get(last_name, 0.0) + (span.start_ns - last_end) / 1e6
+            gaps.append(((span.start_ns - last_end) / 1e6, last_name))
         if last_end is None or span.end_ns > last_end:
             last_end, last_name = span.end_ns, short(span.name)
-    return after
+    return gaps
 
 
 def top(ms_by_name: dict[str, float], counts: dict[str, int] | None = None) -> dict:
@@ -89,14 +89,17 @@ def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
         return {}
     window = union(spans)
     window_ms, busy = (window[-1][1] - window[0][0]) / 1e6, busy_ms(window)
-    gaps = [(start - end) / 1e6 for (_, end), (start, _) in zip(window, window[1:]) if (start - end) / 1e6 >= gap_ms]
+    gaps = idle_gaps(spans, gap_ms)
+    idle_after: dict[str, float] = {}
+    for ms, name in gaps:
+        idle_after[name] = idle_after.get(name, 0.0) + ms
     streams = {stream: busy_ms(union([s for s in spans if s.stream == stream])) for stream in {s.stream for s in spans}}
     kinds: dict[str, float] = {}
     by_name: dict[str, float] = {}
     counts: dict[str, int] = {}
     for span in spans:
-        ms, name = (span.end_ns - span.start_ns) / 1e6, short(span.name)
-        kinds[kind(span)] = kinds.get(kind(span), 0.0) + ms
+        ms, name, label = (span.end_ns - span.start_ns) / 1e6, short(span.name), kind(span)
+        kinds[label] = kinds.get(label, 0.0) + ms
         by_name[name] = by_name.get(name, 0.0) + ms
         counts[name] = counts.get(name, 0) + 1
     return {
@@ -105,12 +108,12 @@ def summary(spans: list[Span], gap_ms: float = 0.05) -> dict:
         "busy_share": round(busy / window_ms, 3),
         "busy_ms_by_stream": {str(stream): round(ms, 2) for stream, ms in sorted(streams.items(), key=lambda item: -item[1])},
         "two_streams_at_once_ms": round(sum(streams.values()) - busy, 2),
-        "gaps": {"at_least_ms": gap_ms, "count": len(gaps), "total_ms": round(sum(gaps), 2),
-                 "longest_ms": [round(gap, 2) for gap in sorted(gaps, reverse=True)[:5]]},
+        "gaps": {"at_least_ms": gap_ms, "count": len(gaps), "total_ms": round(sum(ms for ms, _ in gaps), 2),
+                 "longest_ms": [round(ms, 2) for ms, _ in sorted(gaps, reverse=True)[:5]]},
         "kernel_ms_by_kind": {label: round(ms, 2) for label, ms in sorted(kinds.items(), key=lambda item: -item[1])},
         "from_graphs_ms": round(sum((s.end_ns - s.start_ns) / 1e6 for s in spans if s.from_graph), 2),
         "top_kernels": top(by_name, counts),
-        "idle_ms_after": top(idle_after(spans, gap_ms)),
+        "idle_ms_after": top(idle_after),
     }
 
 
