@@ -59,12 +59,13 @@ def main() -> None:
     projection = random(n, 20)
     a_log, dt_bias = random(value_heads), random(value_heads)
     projection[0, 12] = 30.0  # a decay input past softplus' threshold
-    state = random(n, value_heads, k_dim, v_dim)
-    reference_state = state.clone()
-    close(text_kernels.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, state, key_heads),
-          text_ops.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, reference_state, key_heads),
-          "gated_delta_step")
-    close(state, reference_state, "gated_delta_step state")
+    for layout in {text_kernels.delta_step_layout(1), text_kernels.delta_step_layout(256)}:  # few rows, many
+        state = random(n, value_heads, k_dim, v_dim)
+        reference_state = state.clone()
+        close(text_kernels.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, state, key_heads, layout),
+              text_ops.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, reference_state, key_heads),
+              f"gated_delta_step {layout}")
+        close(state, reference_state, f"gated_delta_step state {layout}")
     checked.append("gated_delta_step")
 
     attended, projection, norm_weight = random(n, 4 * 24), random(n, 130), random(24)
