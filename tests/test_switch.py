@@ -1,9 +1,11 @@
 """Switching models at run time (--allow-model-switch): replies in progress finish, a failed load keeps serving."""
 
 import dataclasses
+import gc
 import shutil
 import threading
 import time
+import weakref
 
 import gradio as gr
 import pytest
@@ -43,6 +45,16 @@ def test_switch_waits_for_replies_in_progress_then_serves_the_new_model(switchab
     assert manager.source.name == copy and "my-local-minicpmv" in headers[0]
     _, (_, stats) = stream(client, "And now?", [red_image], FIXED)
     assert stats["visual_tokens"] == 640
+
+
+def test_a_switch_releases_the_old_model_though_the_warm_up_froze_it(switchable, manager, tmp_path):
+    assert gc.get_freeze_count() > 0  # the warm-up took what was loaded out of the collector's full collections
+    copy = str(tmp_path / "another-minicpmv")
+    shutil.copytree(manager.source.path, copy)
+    old_model = weakref.ref(manager.model)
+    switchable.switch_model(copy)
+    assert manager.source.name == copy
+    assert old_model() is None
 
 
 def test_failed_switch_keeps_serving(switchable, manager, client, red_image):

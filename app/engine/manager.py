@@ -184,6 +184,11 @@ class ModelManager:
             self._warm_up_shapes()
         self.warmup_s = time.perf_counter() - started
         log.info("Warm-up took %.2f s", self.warmup_s)
+        # What is loaded by now (modules, the model, kernels: 483,000 objects with the tiny model) stays: out
+        # of the collector's full collections, which otherwise walk it all: 0.46-0.49 s on the dev machine,
+        # a 0.3 s stop of every stream in the engine process on an H200 box at 200 users (benchmarks/
+        # RESULTS.md, "Morning run (2026-12-02)"). _unload unfreezes it, for the old model's cycles.
+        gc.freeze()
         return self.warmup_s
 
     def _warm_up_shapes(self) -> None:
@@ -248,6 +253,7 @@ class ModelManager:
         self.scheduler.runner = None
         self.preparer.close()
         self.model = self.processor = self.preparer = None
+        gc.unfreeze()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
