@@ -17,23 +17,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import write_json  # noqa: E402
+from benchmarks.vision_fp8 import timed  # noqa: E402
 
 HEADS, K, V = 16, 128, 128
 DELTANET_LAYERS = 18  # of the text model's 24: every fourth is full attention
-
-
-def timed_us(run, repeats: int = 50) -> float:
-    import torch
-
-    for _ in range(3):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats * 1000
 
 
 def main() -> None:
@@ -58,7 +45,7 @@ def main() -> None:
         start_state = torch.randn(n, HEADS, K, V, device="cuda", generator=generator) * 0.1
         state_bytes = start_state.numel() * 4 * 2  # read and written once
         copy_state = start_state.clone()
-        copy_us = timed_us(lambda: copy_state.mul_(0.999))
+        copy_us = timed(lambda: copy_state.mul_(0.999), 50) * 1000
         reference = None
         for layout in layouts:
             state = start_state.clone()
@@ -67,8 +54,8 @@ def main() -> None:
                 reference = (out, state.clone())
             difference = max((out.float() - reference[0].float()).abs().max().item(),
                              (state - reference[1]).abs().max().item())
-            us = timed_us(lambda: text_kernels.gated_delta_step(qkv, projection, 0, HEADS, a_log, dt_bias, state,
-                                                                HEADS, layout))
+            us = timed(lambda: text_kernels.gated_delta_step(qkv, projection, 0, HEADS, a_log, dt_bias, state, HEADS,
+                                                             layout), 50) * 1000
             row = {"batch": n, "block_v": layout[0], "warps": layout[1],
                    "app": layout == text_kernels.delta_step_layout(n), "us_a_layer": round(us, 1),
                    "ms_a_step": round(us * DELTANET_LAYERS / 1000, 3), "tb_per_s": round(state_bytes / us / 1e6, 2),
