@@ -136,8 +136,10 @@ class Front:
         headers += [(b"x-forwarded-for", (scope["client"][0] if scope.get("client") else "").encode()),
                     (b"x-forwarded-proto", scope["scheme"].encode())]
         target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        if key is not None and untag(key)[1] is not None:  # the process knows the event by its own id
-            target = target.replace(key, untag(key)[0])
+        if key is not None:
+            event_id, tagged = untag(key)
+            if tagged is not None:  # the process knows the event by its own id
+                target = target.replace(key, event_id)
         if scope["query_string"]:
             target += "?" + scope["query_string"].decode("latin-1")
         # A request that can be sent again (no body, or one read here) is tried twice on its process: a kept-alive

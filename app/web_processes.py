@@ -257,13 +257,18 @@ def serve_with_web_processes(config: AppConfig) -> None:
         while not stop.wait(0.5):  # a timed wait: the signal handlers run between waits
             pass
     finally:
-        if fronts is not None:
-            fronts.stop()  # first: they stop taking connections, and end as the streams they relay end
-        web.close()
-        if fronts is not None:
-            fronts.close()
+        close_serving(web, fronts)
         engine.close()
         shutil.rmtree(os.path.dirname(engine.listen[0]), ignore_errors=True)  # the engine's socket
+
+
+def close_serving(web: WebProcesses, fronts: Fronts | None) -> None:
+    """Stop the web processes and the proxies in front of them (None: not started)."""
+    if fronts is not None:
+        fronts.stop()  # first: they stop taking connections, and end as the streams they relay end
+    web.close()
+    if fronts is not None:
+        fronts.close()
 
 
 def front_processes(config: AppConfig) -> int:

@@ -323,7 +323,7 @@ def main() -> None:
 
     app, web, fronts = None, None, None
     if args.mode == "app" and config.web_processes > 1:
-        from app.web_processes import Fronts, WebProcesses, front_processes
+        from app.web_processes import Fronts, WebProcesses, close_serving, front_processes
 
         web = WebProcesses(config, manager.listen, config.web_processes)
         web.start()
@@ -358,9 +358,7 @@ def main() -> None:
         print(json.dumps(level), flush=True)
     write_json(args.json, report)
     if web:
-        fronts.stop()
-        web.close()
-        fronts.close()
+        close_serving(web, fronts)
 
 
 if __name__ == "__main__":
