@@ -8,6 +8,12 @@ checks that each gives the flash kernel's output; "tower" is the call as the tow
 default choice, one call per run of equal segments). Run on a GPU machine:
 
     python benchmarks/vision_attention.py --images 1 16 32 --json vision_attention.json
+
+With --first-calls it times instead the tower's own attention (`fused_vision._attend_slices`, cuDNN's
+kernel from 16 slices) the first and the second time this process meets each shape: cuDNN builds a
+graph for every new one, and a wave's slice count is a new shape until the process has seen it.
+
+    python benchmarks/vision_attention.py --first-calls --images 2 3 5 8 13 21
 """
 
 import argparse
@@ -31,8 +37,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--first-calls", action="store_true",
+                        help="time the tower's attention on each shape's first and second call (host and GPU)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    if args.first_calls:
+        write_json(args.json, first_calls(args.images))
+        return
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -86,6 +97,34 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             results["rows"].append(row)
     write_json(args.json, results)
+
+
+def first_calls(images_per_wave: list[int]) -> dict:
+    """Wall time of the tower's attention on shapes this process has not met, then on the same again."""
+    import time
+
+    import torch
+
+    from app.engine.fused_vision import _attend_slices
+
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "cudnn": torch.backends.cudnn.version(), "rows": []}
+    for images in images_per_wave:
+        for stage, length, per_image, _ in STAGES:
+            if length == 4:
+                continue  # the merger's windows go to a Triton kernel of the app's own, no cuDNN
+            segments = images * per_image
+            qkv = torch.randn(segments * length, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16)
+            row = {"images": images, "stage": stage, "segments": segments, "length": length}
+            for call in ("first", "second"):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                _attend_slices(qkv, [(length, segments)], HEADS, DIM ** -0.5)
+                torch.cuda.synchronize()
+                row[f"{call}_ms"] = round((time.perf_counter() - started) * 1000, 2)
+            print(json.dumps(row), flush=True)
+            results["rows"].append(row)
+    return results
 
 
 if __name__ == "__main__":
