@@ -312,8 +312,6 @@ class BatchRunner:
             decoded_up_to = rows
             self.release()
             rows *= 2
-        if self.fused_vision is not None:
-            self.fused_vision.warm_up_attention()
         self._reserve_batch(max_rows)
         return shapes
 

@@ -56,7 +56,6 @@ def _norm(norm) -> tuple:
 # cuDNN's attention runs the tower's 72-wide heads about 1.6x faster than flash's (which rounds them up
 # to 96) on a big wave's slices, but takes more host time a call: it is asked for from this many slices.
 CUDNN_FROM_SLICES = 16
-WARM_UP_SLICE_TOKENS = 1024  # a 448-pixel slice in 14-pixel patches, the commonest: every slice of a big image
 
 
 def _attend_slices(qkv: torch.Tensor, runs: list[tuple[int, int]], heads: int, scale: float) -> torch.Tensor:
@@ -187,19 +186,6 @@ class FusedVisionTower:
         for mlp, order in zip(self.merger.mlp, layout.merge_orders):
             hidden = mlp(hidden[order].view(-1, merge_h * merge_w * hidden.shape[-1]))
         return list(hidden.split(layout.features))
-
-    @torch.no_grad()
-    def warm_up_attention(self) -> None:
-        """Attend once as a wave of many full slices does (cuDNN's kernel on CUDA), so that its kernel is
-        compiled before users come: 0.6-0.8 s on an H200 the first time in a process, unless the driver's
-        disk cache holds it from an earlier one; each new shape after that costs 40-65 ms
-        (benchmarks/RESULTS.md, "Final run"). The warm-up's replies, arriving a few at a time, make no
-        such wave. A slice of another length may need a kernel of its own: warming up with 196-token
-        slices did not spare a later process the compile for 1,024-token ones."""
-        attention = self.layers[0].attention
-        qkv = torch.zeros(CUDNN_FROM_SLICES * WARM_UP_SLICE_TOKENS, attention.qkv_weight.shape[0],
-                          dtype=attention.qkv_weight.dtype, device=attention.qkv_weight.device)
-        _attend_slices(qkv, [(WARM_UP_SLICE_TOKENS, CUDNN_FROM_SLICES)], attention.heads, attention.scale)
 
     def _layout(self, sizes: list[tuple[int, int]], merging: bool, device) -> _Layout:
         def divisible(sizes, kernel, what):
