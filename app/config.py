@@ -1,6 +1,7 @@
 """Command-line options of the demo; each one can also be set by an environment variable (for Spaces)."""
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ class AppConfig:
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = "openbmb/MiniCPM-V-4.6"
+    # A scraper's bearer token for /metrics (app.web_guard); from the environment only, so that it is not
+    # shown in the process list, and left out of repr so that it is not logged.
+    metrics_token: str | None = dataclasses.field(default=None, repr=False)
 
     def auth_pair(self) -> tuple[str, str] | None:
         if not self.auth:
@@ -44,11 +48,16 @@ class AppConfig:
 
 
 def serving_slots(config: AppConfig) -> int:
-    """Requests the UI lets through to the engine at once: a full batch plus its wait line.
-
-    The engine queues and refuses on its own (with a clear "busy"), so Gradio must not hold them back.
-    """
+    """Requests the engine holds at once: a full batch plus its wait line; it tells the next one that the
+    demo is busy."""
     return config.max_batch_size + config.queue_size
+
+
+def handler_slots(config: AppConfig) -> int:
+    """Generating requests Gradio runs at once: the engine's batch and wait line, and room beyond them
+    (limits.BUSY_HEADROOM) for a crowd to reach the engine together and be told at once that it is busy,
+    so that the engine's line is the only one."""
+    return serving_slots(config) + limits.BUSY_HEADROOM
 
 
 # (flag, field, environment variable, type, help)
@@ -134,6 +143,10 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--auth takes USER:PASSWORD, both non-empty")
     if args.web_processes < 1:
         parser.error("--web-processes is 1 or more")
+    if args.max_batch_size < 1:
+        parser.error("--max-batch-size is 1 or more")
+    if args.queue_size < 0:
+        parser.error("--queue-size is 0 or more")
     if args.front_processes < 0:
         parser.error("--front-processes is 0 (automatic) or more")
     if args.front_processes and args.web_processes == 1:  # one web process serves the address itself
@@ -145,4 +158,4 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
                                          ("--backend openai", args.backend == "openai")) if on]
         if clashes:
             parser.error(f"--web-processes above 1 does not go with {', '.join(clashes)}")
-    return AppConfig(**vars(args))
+    return AppConfig(**vars(args), metrics_token=os.environ.get("MINICPMV_METRICS_TOKEN") or None)

@@ -18,11 +18,24 @@ MAX_UPLOAD_MB = _limit("MAX_UPLOAD_MB", 200)  # any one file; Gradio refuses lar
 # A conversation older than the age loses its images (its follow-ups then say the file could not be read).
 UPLOAD_MAX_AGE_S = _limit("UPLOAD_MAX_AGE_S", 2 * 3600)
 UPLOAD_CLEAN_EVERY_S = _limit("UPLOAD_CLEAN_EVERY_S", 600)
+# The upload folder's total size (the examples cached at start included): past it app.uploads deletes the
+# oldest uploads, within about a second of the upload that crossed it. 2,048 MB holds ten files at the
+# 200 MB limit or about a thousand photos (more than a busy demo's two hours of uploads, which expire
+# anyway), and still fits beside a model on a small disk (a Space has 50 GB). Keep it above MAX_UPLOAD_MB.
+UPLOAD_MAX_TOTAL_MB = _limit("UPLOAD_MAX_TOTAL_MB", 2048)
+# An upload that sends nothing for this long is given up and its partial file deleted; otherwise a client
+# that stalls mid-upload holds its part of the disk until the connection dies.
+UPLOAD_STALL_TIMEOUT_S = _limit("UPLOAD_STALL_TIMEOUT_S", 60.0)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".avi", ".mkv")
 MAX_IMAGES_PER_REQUEST = _limit("MAX_IMAGES_PER_REQUEST", 16)
 # PIL's own bomb guard only warns below 2x this; we refuse anything above it before decoding pixels.
 MAX_IMAGE_PIXELS = _limit("MAX_IMAGE_PIXELS", 64_000_000)
+# Long side over short side. The processor upscales a small image whole, its shape kept: a 1x65000 PNG
+# of 339 bytes became one view of 32,640 patches, which the vision tower attends over as a whole
+# (15-20 s of every user's streams on the CPU). Up to 100:1 no view of any size or slice count exceeds
+# 1,300 patches (1,024 for a square).
+MAX_IMAGE_ASPECT_RATIO = _limit("MAX_IMAGE_ASPECT_RATIO", 100)
 
 # Visual token budget (MiniCPM-V slicing: a 448-px source view plus up to 9 slices of 64 tokens each).
 DEFAULT_MAX_SLICE_NUMS = 9
@@ -38,16 +51,25 @@ DEFAULT_VIDEO_MAX_FRAMES = 64
 MAX_VIDEO_FRAMES = _limit("MAX_VIDEO_FRAMES", 128)
 DEFAULT_VIDEO_SLICES_PER_FRAME = 1
 MAX_VIDEO_SECONDS = _limit("MAX_VIDEO_SECONDS", 4 * 3600)  # longer videos are sampled just as well; this bounds nonsense headers
+# Frames to sample x pixels per frame (each frame is also held to MAX_IMAGE_PIXELS): the sampled frames'
+# memory, 3 bytes a pixel (3 GiB at this default, which still lets a 3840x2160 video give 128 frames).
+MAX_VIDEO_SAMPLED_PIXELS = _limit("MAX_VIDEO_SAMPLED_PIXELS", 2**30)
 
 # Text.
 MAX_PROMPT_CHARS = _limit("MAX_PROMPT_CHARS", 20_000)
 MAX_CONTEXT_TOKENS = _limit("MAX_CONTEXT_TOKENS", 32_768)
 DEFAULT_MAX_NEW_TOKENS = 1024
+MIN_SAMPLING_TEMPERATURE = 0.01  # below it a reply is greedy in all but name
 MAX_NEW_TOKENS = _limit("MAX_NEW_TOKENS", 8192)
 
 # Serving.
 DEFAULT_QUEUE_SIZE = 64  # requests waiting while the batch is full; one more is told the demo is busy
 DEFAULT_MAX_BATCH_SIZE = 256  # requests decoded together
+# Generating requests that Gradio hands to the handlers at once beyond the engine's batch and wait line,
+# so that a crowd arriving together reaches the engine's line and hears at once that the demo is busy
+# (each such handler ends in milliseconds). Gradio's own queue, which held them and then turned the rest
+# away with its "Queue is full", only waits past this many (and holds as many again, at most).
+BUSY_HEADROOM = _limit("BUSY_HEADROOM", 256)
 # Prompt tokens prefilled between two decode steps, padding included (requests in a wave x the longest
 # prompt): a crowd arriving at once is admitted over several steps so that replies already running keep
 # streaming.
@@ -113,13 +135,23 @@ ENGINE_READ_TIMEOUT_S = _limit("ENGINE_READ_TIMEOUT_S", 120.0)  # longest silenc
 # User-facing messages.
 MSG_EMPTY_REQUEST = "Type a question or attach an image or video first."
 MSG_UNSUPPORTED_FILE = "“{name}” is not a supported file. Images: {images}. Videos: {videos}."
+MSG_NOT_AN_UPLOAD = "“{name}” was not uploaded to this app: send files themselves, not links or server paths."
 MSG_UNREADABLE_IMAGE = "“{name}” could not be read as an image (the file is corrupt, truncated or not an image)."
+MSG_IMAGE_TOO_THIN = ("“{name}” is {width}x{height} pixels, longer than {limit} times its width or height. "
+                      "Crop it, or pad it to a less extreme shape.")
 MSG_IMAGE_TOO_LARGE = "“{name}” has more than {limit:,} pixels. Please downscale it."
 MSG_TOO_MANY_IMAGES = "{count} images in one request; the limit is {limit}."
 MSG_ONE_VIDEO = "Send one video at a time, without images beside it."
 MSG_VIDEO_TOO_LONG = "“{name}” is {seconds:,.0f} s long; the limit is {limit:,} s."
 MSG_UNREADABLE_VIDEO = "“{name}” could not be decoded as a video."
 MSG_EMPTY_VIDEO = "“{name}” has no frames that could be decoded."
+MSG_VIDEO_FRAME_TOO_LARGE = "“{name}” has frames of {width}x{height} pixels, more than {limit:,}. Please downscale it."
+MSG_VIDEO_SAMPLED_TOO_LARGE = (
+    "{frames} frames of {width}x{height} pixels from “{name}” are more than {limit:,} pixels in all. "
+    "Lower “Max frames” or downscale the video."
+)
+MSG_VIDEO_FRAMES_MISSING = "Only {read} of the {planned} planned frames of “{name}” could be read."
+MSG_NOT_TEXT = "The message holds a character that is not valid text (a lone surrogate, at character {position:,}); please type it again."
 MSG_PROMPT_TOO_LONG = "The message is {count:,} characters; the limit is {limit:,}."
 MSG_CONTEXT_TOO_LONG = (
     "This request needs {count:,} tokens (text, images and the reply), over the {limit:,}-token context. "
@@ -132,6 +164,8 @@ MSG_OVER_VISUAL_BUDGET = (
 MSG_BAD_SETTING = "Setting “{key}”: {problem}"
 MSG_SETTINGS_NOT_OBJECT = "settings must be a JSON object such as {\"max_new_tokens\": 256}."
 MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
+MSG_MEDIA_TRIMMED = ("The {count} oldest messages were left out so that the conversation holds at most {limit} images, "
+                     "or one video alone.")
 MSG_CONTEXT_TRIMMED = "The {count} oldest messages were left out so that the conversation fits the {limit:,}-token context."
 MSG_BUSY = "The demo is busy: {waiting} requests are already waiting. Please try again in a minute."
 MSG_WAITING = "⏳ Every place in the batch is taken; waiting for one to free up, {ahead} request(s) ahead of yours…"
@@ -165,6 +199,8 @@ MSG_QUANT_PACKAGES_MISSING = (
 MSG_4BIT_NEEDS_CUDA = "--load-in-4bit needs a CUDA GPU: bitsandbytes' 4-bit kernels run there."
 MSG_4BIT_NEEDS_BITSANDBYTES = "--load-in-4bit needs bitsandbytes: pip install bitsandbytes"
 MSG_4BIT_ALREADY_QUANTIZED = "{model} is already quantized ({method}): load it without --load-in-4bit."
+MSG_SAMPLING_FAILED = ("This reply could not go on: the model's probabilities for its next word were not finite "
+                       "numbers. Try again, or with other decoding settings.")
 MSG_OUT_OF_MEMORY = "The GPU ran out of memory for this request. Try fewer images, fewer slices or a shorter reply."
 MSG_GENERATION_FAILED = "Generation failed: {error}"
 MSG_MULTI_IMAGE_NEEDS_IMAGES = "Add at least one image to the gallery first."

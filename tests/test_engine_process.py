@@ -3,6 +3,7 @@
 import os
 import signal
 import threading
+import time
 from contextlib import closing
 
 import pytest
@@ -233,3 +234,26 @@ def test_a_crashed_engine_process_is_restarted(engine):
     assert engine._process.pid != first.pid
     answer = reply(engine, user("Back?"), GenerationSettings(max_new_tokens=5, min_new_tokens=5, do_sample=False))
     assert answer.stats["new_tokens"] == 5
+
+
+def test_a_stop_signal_ends_a_reply_at_any_moment_in_the_engine_process(engine, tmp_path):
+    """The StopSignal the web side sets when its client cancels: set before the request is sent, while its
+    image is being prepared, while it waits in line, or while it streams, the reply ends at once (its
+    thread never waits for the engine's next event) and the request leaves the engine process's batch."""
+    from app.engine.stop_signal import StopSignal
+
+    image = make_image(tmp_path, "big.png", (2000, 2000))
+    long = GenerationSettings(max_new_tokens=4000, min_new_tokens=4000, do_sample=False)
+    stopped_before = engine.metrics.snapshot()["requests"]["stopped"]
+    for delay in (None, 0.0, 0.01, 0.05, 0.3):
+        stop = StopSignal()
+        if delay is None:
+            stop.set()
+        else:
+            threading.Timer(delay, stop.set).start()
+        started = time.monotonic()
+        updates = list(engine.stream(user("Go on and on.", image), long, stop))
+        assert all(update.stats is None for update in updates)  # it ended there: no last update
+        assert time.monotonic() - started < 20
+        assert wait_for(lambda: engine.active_generations == 0, 10), f"stopped after {delay} s, still in the batch"
+    assert engine.metrics.snapshot()["requests"]["stopped"] - stopped_before >= 3

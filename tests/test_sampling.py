@@ -111,3 +111,19 @@ def test_on_a_gpu_the_choice_never_waits_for_the_gpu():
     assert torch.equal(greedy, expected)
     tokens = on_their_way.tolist()
     assert len(tokens) == 6 and not {tokens[0], tokens[5]} & set(END.tolist())
+
+
+def test_no_temperature_overflows_and_a_row_that_cannot_be_sampled_fails_alone():
+    """A tiny temperature overflowed every logit but the largest to infinity, and one row's NaN made
+    torch.multinomial fail the whole batch. Now the tiny temperature samples the argmax, and a row whose
+    logits are not finite is -1 (it fails alone) while the rows beside it keep their own choices."""
+    torch.manual_seed(4)
+    logits = torch.randn(5, 50) * 30
+    logits[3] = float("nan")
+    logits[4, 10] = float("inf")
+    rows = [RowSettings(True, 1e-45, 0, 1.0, 1.0), RowSettings(True, 1e-45, 5, 0.5, 1.0), GREEDY,
+            RowSettings(True, 0.7, 0, 1.0, 1.0), RowSettings(True, 0.7, 3, 1.0, 1.0)]
+    for _ in range(20):
+        chosen = next_tokens(logits.clone(), rows, [None] * 5, [False] * 5, END).tolist()
+        assert chosen[:3] == logits[:3].argmax(-1).tolist()
+        assert chosen[3] == -1 and chosen[4] == -1

@@ -40,10 +40,12 @@ def test_unreachable_hub_fails_fast(tmp_path):
     assert result.returncode == 2 and "unreachable" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_start_from_environment_with_share_keeps_serving_locally(tmp_path):
+def test_start_from_environment_with_share_and_a_small_line_keeps_serving_locally(tmp_path):
     port = free_port()
     log_path = tmp_path / "app.log"
-    env = {**os.environ, "MINICPMV_MODEL": "tiny-random", "GRADIO_SERVER_PORT": str(port), "MINICPMV_SHARE": "1"}
+    # A line shorter than the warm-up's waves (16 requests at once) once stopped the start with a traceback.
+    env = {**os.environ, "MINICPMV_MODEL": "tiny-random", "GRADIO_SERVER_PORT": str(port), "MINICPMV_SHARE": "1",
+           "MINICPMV_QUEUE_SIZE": "4", "MINICPMV_MAX_BATCH_SIZE": "2"}
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -90,3 +92,13 @@ def test_a_web_server_hands_the_gil_over_often(config, manager):
         assert limits.SWITCH_INTERVAL_S < 0.005 and sys.getswitchinterval() == pytest.approx(limits.SWITCH_INTERVAL_S)
     finally:
         demo.close()
+
+
+def test_a_batch_or_line_size_that_cannot_serve_is_refused_in_one_line():
+    from app.config import parse_config
+
+    for argv, message in ((["--max-batch-size", "0"], "--max-batch-size is 1 or more"),
+                          (["--queue-size", "-1"], "--queue-size is 0 or more")):
+        result = run_app(*argv, "--model", "tiny-random")
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert parse_config(["--queue-size", "0", "--max-batch-size", "1"]).queue_size == 0

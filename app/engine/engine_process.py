@@ -45,6 +45,7 @@ from typing import Iterator
 from app import limits
 from app.config import AppConfig
 from app.engine.manager import ModelManager, as_user_error, follow_reply
+from app.engine.stop_signal import StopSignal
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -165,11 +166,13 @@ class EngineClient:
         self._tokenizer_for(self.info().path)
         return result
 
-    def stream(self, messages: list[dict], settings) -> Iterator:
+    def stream(self, messages: list[dict], settings, stop: StopSignal | None = None) -> Iterator:
         """Stream a reply, as ModelManager.stream does."""
         requested_at = time.perf_counter()
         request_id = next(self._ids)
         events = self._streams[request_id] = queue.SimpleQueue()
+        if stop is not None:
+            stop.on_set(lambda: events.put(("stopped", None)))
 
         def close(outcome: str) -> None:
             del self._streams[request_id]
@@ -407,7 +410,8 @@ class _EngineSide:
             self.manager.start(messages, settings, emit, requested_at, cancelled)
         except Exception as error:  # bad input: not counted as a request, as in-process
             self.requests.pop(request_id, None)
-            emit("error", error)
+            if not cancelled.is_set():  # else nobody waits for it (stopped while it was prepared)
+                emit("error", error)
 
     def _answer(self, call_id: int, method: str, args: tuple) -> None:
         try:

@@ -1,10 +1,12 @@
 """Where a conversation becomes model inputs: media loaded, slices planned, prompt rendered, tokens counted."""
 
+import copy
 import functools
 from dataclasses import dataclass, field
 
 from app import limits
 from app.chat import THINK_OPEN
+from app.engine.prompt_text import TextPartsAsText, with_placeholders
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
@@ -44,20 +46,17 @@ def _media_paths(messages: list[dict], kind: str) -> list[str]:
     return [part["path"] for message in messages for part in message["content"] if part["type"] == kind]
 
 
-def _template_messages(messages: list[dict]) -> list[dict]:
-    """Model messages as the chat template takes them: media parts carry no payload."""
-    return [
-        {"role": message["role"],
-         "content": [part if part["type"] == "text" else {"type": part["type"]} for part in message["content"]]}
-        for message in messages
-    ]
-
-
 def _check_text(messages: list[dict]) -> None:
     for message in messages:
         for part in message["content"]:
-            if part["type"] == "text" and len(part["text"]) > limits.MAX_PROMPT_CHARS:
+            if part["type"] != "text":
+                continue
+            if len(part["text"]) > limits.MAX_PROMPT_CHARS:
                 raise UserError(limits.MSG_PROMPT_TOO_LONG.format(count=len(part["text"]), limit=limits.MAX_PROMPT_CHARS))
+            try:
+                part["text"].encode("utf-8")
+            except UnicodeEncodeError as error:  # a lone surrogate, which JSON can carry and no tokenizer takes
+                raise UserError(limits.MSG_NOT_TEXT.format(position=error.start + 1)) from None
 
 
 def load_processor(path: str, trust_remote_code: bool):
@@ -179,7 +178,8 @@ def _video_patches(videos, patch_size: int):
 
 def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
                    pixel_dtype=None) -> PreparedInputs:
-    """Model inputs for the conversation; the oldest turns are left out (with a notice) when it outgrows the context.
+    """Model inputs for the conversation; the oldest turns are left out (with a notice) when it holds more
+    media than one request may (the latest turn alone still must fit), then while it outgrows the context.
 
     Floating-point pixels (a video's) come in `pixel_dtype` (the vision tower's): the model would cast
     them on the GPU anyway, and float32 doubles what crosses from a worker process and to the GPU (24
@@ -190,12 +190,15 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     _check_text(messages)
     images: dict[str, object] = {}  # path -> decoded pixels, kept across trimming attempts
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
-    for start in turn_starts:
+    media_start = next((start for start in turn_starts if _media_fit(messages[start:])), turn_starts[-1])
+    for start in turn_starts[turn_starts.index(media_start):]:
         prepared = _prepare(processor, messages[start:], settings, images)
         needed = prepared.prompt_tokens + settings.max_new_tokens
         if needed <= max_context_tokens:
-            if start:
+            if start > media_start:
                 prepared.notices.insert(0, limits.MSG_CONTEXT_TRIMMED.format(count=start, limit=max_context_tokens))
+            elif start:
+                prepared.notices.insert(0, limits.MSG_MEDIA_TRIMMED.format(count=start, limit=limits.MAX_IMAGES_PER_REQUEST))
             for key in PIXEL_KEYS if pixel_dtype is not None else ():
                 pixels = prepared.tensors.get(key)
                 if pixels is not None and pixels.is_floating_point():
@@ -204,12 +207,18 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     raise UserError(limits.MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
 
 
+def _media_fit(messages: list[dict]) -> bool:
+    """Whether one request may hold these messages' media: up to MAX_IMAGES_PER_REQUEST images, or one video alone."""
+    image_paths, video_paths = _media_paths(messages, "image"), _media_paths(messages, "video")
+    return len(image_paths) <= limits.MAX_IMAGES_PER_REQUEST and (not video_paths or (len(video_paths) == 1 and not image_paths))
+
+
 def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict) -> PreparedInputs:
     image_paths = _media_paths(messages, "image")
     video_paths = _media_paths(messages, "video")
-    if len(image_paths) > limits.MAX_IMAGES_PER_REQUEST:
-        raise UserError(limits.MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
-    if len(video_paths) > 1 or (video_paths and image_paths):
+    if not _media_fit(messages):
+        if len(image_paths) > limits.MAX_IMAGES_PER_REQUEST:
+            raise UserError(limits.MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
         raise UserError(limits.MSG_ONE_VIDEO)
 
     for path in image_paths:
@@ -230,6 +239,7 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     video = None
     if video_paths:
         video = sample_video(video_paths[0], settings.video_fps, settings.video_max_frames)
+        notices.extend(video.notices)
         processor_kwargs["videos"] = [video.frames]
         processor_kwargs["videos_kwargs"] = {
             "max_slice_nums": settings.video_slices_per_frame,
@@ -237,11 +247,12 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
             "do_sample_frames": False,  # frames were sampled by app.media.video
         }
 
-    prompt = processor.apply_chat_template(
-        _template_messages(messages), add_generation_prompt=True, tokenize=False,
-        enable_thinking=settings.enable_thinking,
-    )
-    tensors = dict(processor(text=[prompt], return_tensors="pt", **processor_kwargs))
+    template_messages, texts, mark = with_placeholders(messages)
+    prompt = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False,
+                                           enable_thinking=settings.enable_thinking)
+    text_safe = copy.copy(processor)  # the processor's other parts are shared, not copied
+    text_safe.tokenizer = TextPartsAsText(processor.tokenizer, texts, mark)
+    tensors = dict(text_safe(text=[prompt], return_tensors="pt", **processor_kwargs))
     if loaded and not tensors["pixel_values"].is_floating_point():
         tensors["pixel_normalization"] = processor.pixel_normalization
     input_ids = tensors["input_ids"][0]

@@ -26,7 +26,8 @@ from app.engine.preparers import ProcessPreparer, ThreadPreparer, preparer_proce
 from app.engine.presets import find_preset
 from app.engine.scheduler import Request, Scheduler, release_gpu_memory
 from app.engine.settings import GenerationSettings
-from app.errors import UserError
+from app.engine.stop_signal import StopSignal
+from app.errors import Busy, UserError
 from app.media.budget import SlicePlan, plan_slices
 from app.media.images import load_image
 from app.zerogpu import zero_gpu_enabled
@@ -177,7 +178,8 @@ class ModelManager:
                     pass
 
             one_reply()
-            for wave in limits.WARM_UP_WAVES:
+            # No wave larger than the batch and its wait line together, which would be refused as busy.
+            for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in limits.WARM_UP_WAVES}):
                 with ThreadPoolExecutor(wave) as pool:
                     list(pool.map(one_reply, range(wave)))
         if self.scheduler.runner.graphs is not None:
@@ -367,10 +369,11 @@ class ModelManager:
         return prepared
 
     def start(self, messages: list[dict], settings: GenerationSettings, emit: Callable[[str, object], None],
-              requested_at: float, cancelled: threading.Event | None = None) -> Request:
+              requested_at: float, cancelled: threading.Event | None = None) -> Request | None:
         """Prepare a request and put it in line; its events go to `emit(kind, value)` (see follow_reply),
         and setting `cancelled` takes it out. Raises UserError for bad input; a full line is emitted
-        ("refused") and counted, not raised.
+        ("refused") and counted, not raised (None is returned then). The line is asked before the request
+        is prepared too: a crowd beyond it hears so without costing the engine any image decoding.
         """
         version = self._version
 
@@ -379,23 +382,31 @@ class ModelManager:
             emit("prepared", prepared_summary(prepared, self.source.path, time.perf_counter()))
             return prepared
 
-        request = Request(prepared=prepare_and_tell(), settings=settings, version=version, requested_at=requested_at,
-                          prepare_again=prepare_and_tell, emit=emit, cancelled=cancelled or threading.Event())
         try:
+            self.scheduler.check_room()
+            request = Request(prepared=prepare_and_tell(), settings=settings, version=version, requested_at=requested_at,
+                              prepare_again=prepare_and_tell, emit=emit, cancelled=cancelled or threading.Event())
             self.scheduler.submit(request)
-        except UserError as error:
+        except Busy as error:
             self.metrics.request_done("busy")
             emit("refused", error)
+            return None
         return request
 
-    def stream(self, messages: list[dict], settings: GenerationSettings) -> Iterator[ReplyUpdate]:
-        """Stream a reply to `messages`. Raises UserError for bad input and for failures the user should see."""
+    def stream(self, messages: list[dict], settings: GenerationSettings,
+               stop: StopSignal | None = None) -> Iterator[ReplyUpdate]:
+        """Stream a reply to `messages`; `stop` ends it at once, wherever it is. Raises UserError for bad
+        input and for failures the user should see."""
         requested_at = time.perf_counter()
         events = queue.SimpleQueue()
-        request = self.start(messages, settings, lambda kind, value: events.put((kind, value)), requested_at)
+        cancelled = threading.Event()
+        if stop is not None:
+            stop.on_set(cancelled.set)  # one still being prepared is not put in line
+            stop.on_set(lambda: events.put(("stopped", None)))
+        self.start(messages, settings, lambda kind, value: events.put((kind, value)), requested_at, cancelled)
 
         yield from follow_reply(events, lambda path: self.processor.tokenizer, requested_at,
-                                lambda outcome: self.end_request(request.cancelled, outcome),
+                                lambda outcome: self.end_request(cancelled, outcome),
                                 self.scheduler.drive if self.scheduler.inline else None)
 
     def end_request(self, cancelled: threading.Event, outcome: str) -> None:
@@ -430,7 +441,8 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
     no event is there (inline mode drives the scheduler).
 
     Events: ("prepared", prepared_summary), ("place", requests ahead), ("tokens", [ids]), ("end", timing),
-    ("refused", UserError: the line is full) and ("error", exception). The same loop serves a request run
+    ("refused", UserError: the line is full), ("error", exception) and ("stopped", None) (the caller's
+    StopSignal: the reply ends with no last update). The same loop serves a request run
     in this process and one run in the engine process (app.engine.engine_process).
     """
     outcome = "stopped"
@@ -458,6 +470,8 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
                     yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
             elif kind == "end":
                 break
+            elif kind == "stopped":  # the caller's StopSignal
+                return
         outcome = "finished"
     finally:
         close(outcome)

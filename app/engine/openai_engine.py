@@ -18,6 +18,7 @@ from app.config import AppConfig
 from app.engine.manager import ModelInfo, ReplyUpdate, timing_stats
 from app.engine.metrics import EngineMetrics
 from app.engine.settings import GenerationSettings
+from app.engine.stop_signal import StopSignal
 from app.errors import UserError
 from app.media.images import load_image
 from app.media.video import sample_video
@@ -132,7 +133,9 @@ class OpenAIEngine:
             payload["chat_template_kwargs"] = {"enable_thinking": True}
         return payload
 
-    def stream(self, messages: list[dict], settings: GenerationSettings) -> Iterator[ReplyUpdate]:
+    def stream(self, messages: list[dict], settings: GenerationSettings,
+               stop: StopSignal | None = None) -> Iterator[ReplyUpdate]:
+        """Stream a reply from the server; `stop` ends it at once (its connection is closed)."""
         import httpx
 
         if not messages or messages[-1]["role"] != "user":
@@ -147,6 +150,8 @@ class OpenAIEngine:
         try:
             with self._client(timeout=limits.ENGINE_READ_TIMEOUT_S) as client, client.stream(
                     "POST", self.base_url + "/chat/completions", json=self._payload(converted, settings)) as response:
+                if stop is not None:
+                    stop.on_set(response.close)
                 if response.status_code >= 400:
                     raise UserError(limits.MSG_ENGINE_REFUSED.format(
                         status=response.status_code, detail=response.read().decode(errors="replace")[:300]))
@@ -175,7 +180,10 @@ class OpenAIEngine:
             raise UserError(limits.MSG_ENGINE_DOWN.format(url=self.base_url)) from error
         except httpx.TimeoutException as error:
             raise UserError(limits.MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
-        except (httpx.TransportError, json.JSONDecodeError) as error:
+        except (httpx.TransportError, httpx.StreamClosed, json.JSONDecodeError) as error:
+            if stop is not None and stop.is_set:
+                outcome = "stopped"
+                return
             raise UserError(limits.MSG_ENGINE_BROKE.format(url=self.base_url)) from error
         finally:
             self.metrics.request_done(outcome)

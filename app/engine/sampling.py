@@ -22,7 +22,7 @@ class RowSettings:
 
 def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.Tensor | None],
                 barred: list[bool], end_token_ids: torch.Tensor) -> torch.Tensor:
-    """One token per row of `logits` [n, vocab].
+    """One token per row of `logits` [n, vocab]; -1 for a sampled row that could not be sampled (_sample).
 
     seen[i]: token ids row i has seen (prompt and reply), needed only when it has a repetition penalty;
     barred[i]: row i is below its minimum length, so it may not end yet.
@@ -53,8 +53,19 @@ def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.
     return chosen
 
 
+def usable_as_input(chosen: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
+    """`chosen` as the next step's input: a row that could not be sampled (-1) gets token 0 there, and
+    leaves the batch once its -1 is read (only sampled rows can hold one)."""
+    return chosen.clamp(min=0) if any(settings.do_sample for settings in rows) else chosen
+
+
 def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
-    """Draw from each row's distribution after temperature, top-k and top-p.
+    """Draw from each row's distribution after temperature, top-k and top-p; -1 for a row whose
+    probabilities are not finite numbers (the model's logits were not), which then fails alone: its
+    draw is made from a stand-in distribution, as torch.multinomial fails the whole batch on one bad row.
+
+    The largest logit of each row is taken off before the temperature divides them: the largest is
+    then 0 whatever the temperature, and no small temperature overflows the others to infinity.
 
     Only top-k and top-p need the vocabulary in order, and ordering 248k logits per row per step is
     what sampling cost (35 ms a row on a CPU core, 70x a greedy step's choice): plain sampling draws
@@ -62,9 +73,9 @@ def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
     """
     device = logits.device
     temperature = on_device([row.temperature for row in rows], torch.float32, device)[:, None]
-    logits = logits / temperature
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if all(row.top_k == 0 and row.top_p >= 1.0 for row in rows):
-        return torch.multinomial(logits.softmax(dim=-1), num_samples=1)[:, 0]
+        return _draw(logits.softmax(dim=-1))
     if all(row.top_k for row in rows):
         ordered, order = logits.topk(max(row.top_k for row in rows), dim=-1)
     else:
@@ -76,5 +87,12 @@ def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
     probabilities = ordered.softmax(dim=-1)
     mass_before = probabilities.cumsum(dim=-1) - probabilities
     ordered = ordered.masked_fill((mass_before > top_p) & (rank > 0), float("-inf"))
-    picks = torch.multinomial(ordered.softmax(dim=-1), num_samples=1)[:, 0]
-    return order.gather(-1, picks[:, None])[:, 0]
+    picks = _draw(ordered.softmax(dim=-1))
+    return torch.where(picks < 0, picks, order.gather(-1, picks.clamp(min=0)[:, None])[:, 0])
+
+
+def _draw(probabilities: torch.Tensor) -> torch.Tensor:
+    """One draw a row; -1 for a row that holds anything but finite numbers."""
+    finite = probabilities.isfinite().all(dim=-1)
+    picks = torch.multinomial(torch.where(finite[:, None], probabilities, 1.0), num_samples=1)[:, 0]
+    return torch.where(finite, picks, -1)

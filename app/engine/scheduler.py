@@ -39,10 +39,10 @@ from app import limits
 from app.engine.batch_runner import MediaEncoding, padded_length
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
-from app.engine.sampling import RowSettings, next_tokens
+from app.engine.sampling import RowSettings, next_tokens, usable_as_input
 from app.engine.settings import GenerationSettings
 from app.engine.transfers import TokensOnTheirWay, on_device
-from app.errors import UserError
+from app.errors import Busy, UserError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Request:
 class LaunchedStep:
     """A decode step launched and not yet handed out."""
     requests: list[Request]  # its rows, in slot order
-    chosen: object  # each row's next token, on the device: the next step's input
+    chosen: object  # each row's next token, on the device, as the next step's input
     read_back: TokensOnTheirWay
     launched_at: float
 
@@ -141,14 +141,18 @@ class Scheduler:
         return len(self._running)
 
     def submit(self, request: Request) -> None:
-        """Put `request` in line; the demo is busy (UserError, at once) when the line is full."""
+        """Put `request` in line; the demo is busy (Busy, at once) when the line is full."""
         with self._changed:
-            free_slots = 0 if self._paused else max(0, self.max_batch - len(self._running))
-            waiting = self.waiting
-            if waiting >= self.max_waiting + free_slots:
-                raise UserError(limits.MSG_BUSY.format(waiting=waiting))
+            self.check_room()
             self._waiting.append(request)
             self._changed.notify_all()
+
+    def check_room(self) -> None:
+        """Raise Busy when the line is full (also asked before a request is prepared)."""
+        free_slots = 0 if self._paused else max(0, self.max_batch - len(self._running))
+        waiting = self.waiting
+        if waiting >= self.max_waiting + free_slots:
+            raise Busy(limits.MSG_BUSY.format(waiting=waiting))
 
     # The loop ------------------------------------------------------------------------------------
 
@@ -284,7 +288,8 @@ class Scheduler:
         else:
             tokens = previous.chosen
         chosen = self._choose(self._running, self.runner.decode(tokens), ahead=int(previous is not None))
-        self._in_flight = LaunchedStep(list(self._running), chosen, TokensOnTheirWay(chosen), started)
+        self._in_flight = LaunchedStep(list(self._running), usable_as_input(chosen, [r.row for r in self._running]),
+                                       TokensOnTheirWay(chosen), started)
         if previous is not None:
             self._hand_out_step(previous)
             if any(request.done for request in self._running):  # they leave, which moves slots: settle first
@@ -304,10 +309,13 @@ class Scheduler:
         import torch
 
         barred = [len(r.generated) + ahead < r.settings.min_new_tokens for r in requests]
-        chosen = next_tokens(logits, [r.row for r in requests], [r.seen for r in requests], barred, self._end_token_ids)
-        for row, request in enumerate(requests):
-            if request.seen is not None:  # on the device, so that the next step's choice need not wait
-                request.seen = torch.cat([request.seen, chosen[row:row + 1]])
+        rows = [r.row for r in requests]
+        chosen = next_tokens(logits, rows, [r.seen for r in requests], barred, self._end_token_ids)
+        if any(request.seen is not None for request in requests):
+            usable = usable_as_input(chosen, rows)
+            for row, request in enumerate(requests):
+                if request.seen is not None:  # on the device, so that the next step's choice need not wait
+                    request.seen = torch.cat([request.seen, usable[row:row + 1]])
         return chosen
 
     def _hand_out_step(self, step: LaunchedStep) -> None:
@@ -328,6 +336,10 @@ class Scheduler:
 
     def _take(self, request: Request, token: int, now: float, interval: float) -> None:
         """Record `token` for its request, which is done if it ends here (it leaves after the step)."""
+        if token < 0:  # it could not be sampled (app.engine.sampling): it fails alone, the others go on
+            request.done = True
+            request.emit("error", UserError(limits.MSG_SAMPLING_FAILED))
+            return
         ended = token in self._end_token_set
         if not ended:
             if request.first_token_at is None:

@@ -39,8 +39,10 @@ class GenerationSettings:
         _in_range("max_new_tokens", self.max_new_tokens, 1, limits.MAX_NEW_TOKENS)
         _in_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         _in_range("temperature", self.temperature, 0.0, 5.0)
-        if self.do_sample and self.temperature == 0:
-            raise UserError(limits.MSG_BAD_SETTING.format(key="temperature", problem="must be above 0 when sampling"))
+        if self.do_sample and self.temperature < limits.MIN_SAMPLING_TEMPERATURE:
+            raise UserError(limits.MSG_BAD_SETTING.format(
+                key="temperature", problem=f"must be at least {limits.MIN_SAMPLING_TEMPERATURE} when sampling "
+                                           f"(for greedy decoding set do_sample to false), got {self.temperature}"))
         _in_range("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0:
             raise UserError(limits.MSG_BAD_SETTING.format(key="top_p", problem="must be above 0"))
@@ -57,6 +59,11 @@ class GenerationSettings:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def parse_flag(key: str, value) -> bool:
+    """A true/false setting outside GenerationSettings (the /ask API's follow_up), read as its flags are."""
+    return _coerce(key, value, bool)
 
 
 def _coerce(key: str, value, kind):

@@ -1,4 +1,5 @@
-"""Which uploads are images and which are videos, decided by extension before anything is decoded."""
+"""Which uploads are images and which are videos, decided by extension before anything is decoded; and
+that an upload is a local file at all."""
 
 import os
 
@@ -18,3 +19,18 @@ def media_kind(path: str) -> str:
         images=", ".join(limits.IMAGE_EXTENSIONS),
         videos=", ".join(limits.VIDEO_EXTENSIONS),
     ))
+
+
+def check_local_file(path) -> None:
+    """Refuse anything but an absolute path to a regular file: decoders are never handed a string they
+    could read as a URL, a protocol (FFmpeg's `rtsp:`, `concat:`, `pipe:`) or a device. The web side has
+    already checked that the file is one of its uploads (app.ui.file_inputs); this holds in the engine
+    whoever calls it."""
+    if not (isinstance(path, str) and "\0" not in path and os.path.isabs(path) and os.path.isfile(path)):
+        raise UserError(limits.MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
+
+
+def shown_name(path) -> str:
+    """A file's name for a message: its last part, cut short."""
+    name = os.path.basename(str(path).rstrip("/")) or str(path)
+    return name if len(name) <= 80 else name[:77] + "..."

@@ -9,6 +9,7 @@ from PIL import Image, ImageOps
 
 from app import limits
 from app.errors import UserError
+from app.media.files import check_local_file
 
 # Decoded by torchvision (libjpeg-turbo, libpng) straight into the tensor the image processor takes:
 # half PIL's time for a 1344x1344 photo, and no PIL image to convert (benchmarks/RESULTS.md).
@@ -49,9 +50,17 @@ def load_image_pixels(path: str):
     return pil_to_tensor(load_image(path))
 
 
+def check_shape(name: str, width: int, height: int) -> None:
+    """Refuse an image (or a video's frames) whose long side is more than MAX_IMAGE_ASPECT_RATIO times its short one."""
+    if max(width, height) > limits.MAX_IMAGE_ASPECT_RATIO * max(1, min(width, height)):
+        raise UserError(limits.MSG_IMAGE_TOO_THIN.format(name=name, width=width, height=height,
+                                                         limit=limits.MAX_IMAGE_ASPECT_RATIO))
+
+
 @contextmanager
 def _opened(path: str):
     """The image, opened (only its header read) and checked; errors become the user's messages."""
+    check_local_file(path)
     name = os.path.basename(path)
     try:
         with Image.open(path) as image:
@@ -59,6 +68,7 @@ def _opened(path: str):
             pixels = image.width * image.height
             if pixels > limits.MAX_IMAGE_PIXELS:
                 raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS))
+            check_shape(name, image.width, image.height)
             yield image
     except UserError:
         raise

@@ -1,6 +1,7 @@
 """Decoding a video with OpenCV and sampling frames uniformly in time, without decoding it whole."""
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import cv2
@@ -8,6 +9,8 @@ import numpy as np
 
 from app import limits
 from app.errors import UserError
+from app.media.files import check_local_file
+from app.media.images import check_shape
 
 # Below this ratio of wanted to total frames, seeking to each frame beats decoding every frame in order.
 _SEQUENTIAL_READ_RATIO = 0.25
@@ -19,6 +22,7 @@ class SampledVideo:
     frame_indices: tuple[int, ...]
     native_fps: float
     total_frames: int
+    notices: tuple[str, ...] = ()  # for the user: fewer frames could be read than were planned
 
     @property
     def timestamps_s(self) -> tuple[float, ...]:
@@ -34,42 +38,72 @@ def sampled_frame_indices(total_frames: int, native_fps: float, sample_fps: floa
     return sorted({min(total_frames - 1, int((i + 0.5) * step)) for i in range(count)})
 
 
-def _read_sequentially(capture, wanted: list[int]) -> dict[int, np.ndarray]:
-    frames = {}
-    wanted_set = set(wanted)
-    last = wanted[-1]
-    index = 0
-    while index <= last and capture.grab():
-        if index in wanted_set:
-            ok, frame = capture.retrieve()
-            if ok:
-                frames[index] = frame
-        index += 1
-    return frames
-
-
-def _read_by_seeking(capture, wanted: list[int]) -> dict[int, np.ndarray]:
-    frames = {}
-    for index in wanted:
-        capture.set(cv2.CAP_PROP_POS_FRAMES, index)
-        ok, frame = capture.read()
-        if ok:
-            frames[index] = frame
-    return frames
-
-
-def probe_video(path: str) -> tuple[int, float]:
-    """(frame count, frames per second) from the container header; raises UserError if unusable."""
-    capture = cv2.VideoCapture(path)
+@contextmanager
+def _opened(path: str):
+    """The file through OpenCV's FFmpeg backend only: OpenCV's other backends interpret the name (the
+    image-sequence one reads "%d" patterns), and only a local file's path is handed over."""
+    check_local_file(path)
+    capture = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
     try:
-        return _probe(capture, os.path.basename(path))
+        yield capture
     finally:
         capture.release()
 
 
-def _probe(capture, name: str) -> tuple[int, float]:
+def _check_frame_size(name: str, width: int, height: int, frames: int = 1) -> None:
+    """Refuse frames over the image pixel limit, or `frames` of them over the sampled-pixel limit. Run on the
+    header's size before any frame is decoded, and on each decoded frame, since a container may lie."""
+    if width * height > limits.MAX_IMAGE_PIXELS:
+        raise UserError(limits.MSG_VIDEO_FRAME_TOO_LARGE.format(name=name, width=width, height=height,
+                                                                limit=limits.MAX_IMAGE_PIXELS))
+    if frames * width * height > limits.MAX_VIDEO_SAMPLED_PIXELS:
+        raise UserError(limits.MSG_VIDEO_SAMPLED_TOO_LARGE.format(name=name, frames=frames, width=width, height=height,
+                                                                  limit=limits.MAX_VIDEO_SAMPLED_PIXELS))
+
+
+def _read_sequentially(capture, wanted: list[int]):
+    """(index, frame) of each wanted frame, decoding every frame up to the last one (grab() decodes)."""
+    wanted_set = set(wanted)
+    index = 0
+    while index <= wanted[-1] and capture.grab():
+        if index in wanted_set:
+            ok, frame = capture.retrieve()
+            if ok:
+                yield index, frame
+        index += 1
+
+
+def _read_by_seeking(capture, wanted: list[int]):
+    for index in wanted:
+        capture.set(cv2.CAP_PROP_POS_FRAMES, index)
+        ok, frame = capture.read()
+        if ok:
+            yield index, frame
+
+
+def _checked(frames, name: str, planned: int) -> dict[int, np.ndarray]:
+    """{index: frame}, each frame held to the size limits as it comes: a container may understate its size."""
+    decoded = {}
+    for index, frame in frames:
+        _check_frame_size(name, frame.shape[1], frame.shape[0], planned)
+        decoded[index] = frame
+    return decoded
+
+
+def probe_video(path: str) -> tuple[int, float]:
+    """(frame count, frames per second) from the container header, decoding no frame; raises UserError if
+    unusable, frames over the pixel limit included."""
+    with _opened(path) as capture:
+        return _probe(capture, os.path.basename(path))[:2]
+
+
+def _probe(capture, name: str) -> tuple[int, float, int, int]:
+    """(frame count, frames per second, width, height) from the container header."""
     if not capture.isOpened():
         raise UserError(limits.MSG_UNREADABLE_VIDEO.format(name=name))
+    width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    _check_frame_size(name, width, height)
+    check_shape(name, width, height)
     total_frames = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
     native_fps = float(capture.get(cv2.CAP_PROP_FPS))
     if total_frames <= 0:
@@ -79,24 +113,51 @@ def _probe(capture, name: str) -> tuple[int, float]:
     if total_frames / native_fps > limits.MAX_VIDEO_SECONDS:
         raise UserError(limits.MSG_VIDEO_TOO_LONG.format(name=name, seconds=total_frames / native_fps,
                                                          limit=limits.MAX_VIDEO_SECONDS))
-    return total_frames, native_fps
+    return total_frames, native_fps, width, height
+
+
+def _count_frames(path: str, name: str, native_fps: float) -> tuple[int, float]:
+    """(frames, average frames per second) of what the file really holds, from its packets: nothing is
+    decoded, and no more than MAX_VIDEO_SECONDS at the header's rate is read."""
+    count, last_s = 0, 0.0
+    with _opened(path) as capture:
+        capture.set(cv2.CAP_PROP_FORMAT, -1)  # OpenCV's raw mode: grab() reads a packet, decoding nothing
+        while count < limits.MAX_VIDEO_SECONDS * native_fps and capture.grab():
+            count += 1
+            last_s = max(last_s, capture.get(cv2.CAP_PROP_POS_MSEC) / 1000)
+    if not count:
+        raise UserError(limits.MSG_EMPTY_VIDEO.format(name=name))
+    # A variable frame rate's header gives its highest rate, and some files carry no timestamps: the longer
+    # of the two durations.
+    return count, count / max(last_s + 1 / native_fps, count / native_fps)
 
 
 def sample_video(path: str, sample_fps: float = limits.DEFAULT_VIDEO_FPS,
                  max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES) -> SampledVideo:
+    """Frames at sample_fps, at most max_frames, from what the file really holds. A long video is read by
+    seeking to each frame; when that finds fewer than planned (a header that overstates the frame count, or
+    seeking that misses in a variable-frame-rate file), the frames are counted and read in order instead."""
     name = os.path.basename(path)
-    capture = cv2.VideoCapture(path)
-    try:
-        total_frames, native_fps = _probe(capture, name)
+    with _opened(path) as capture:
+        total_frames, native_fps, width, height = _probe(capture, name)
         wanted = sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames)
-        if len(wanted) >= _SEQUENTIAL_READ_RATIO * total_frames:
-            decoded = _read_sequentially(capture, wanted)
-        else:
-            decoded = _read_by_seeking(capture, wanted)
-    finally:
-        capture.release()
+        _check_frame_size(name, width, height, len(wanted))
+        read = _read_sequentially if len(wanted) >= _SEQUENTIAL_READ_RATIO * total_frames else _read_by_seeking
+        decoded = _checked(read(capture, wanted), name, len(wanted))
+    notices = ()
+    if len(decoded) < len(wanted):
+        planned = len(wanted)
+        total_frames, native_fps = _count_frames(path, name, native_fps)
+        wanted = sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames)
+        with _opened(path) as capture:
+            decoded = _checked(_read_sequentially(capture, wanted), name, len(wanted))
+        if len(decoded) < planned:
+            notices = (limits.MSG_VIDEO_FRAMES_MISSING.format(read=len(decoded), planned=planned, name=name),)
     if not decoded:
         raise UserError(limits.MSG_EMPTY_VIDEO.format(name=name))
     indices = sorted(decoded)
-    frames = np.stack([cv2.cvtColor(decoded[i], cv2.COLOR_BGR2RGB) for i in indices])
-    return SampledVideo(frames=frames, frame_indices=tuple(indices), native_fps=native_fps, total_frames=total_frames)
+    frames = np.empty((len(indices), *decoded[indices[0]].shape), np.uint8)
+    for frame, index in zip(frames, indices):  # in place, each decoded frame freed as it goes: no third copy
+        cv2.cvtColor(decoded.pop(index), cv2.COLOR_BGR2RGB, dst=frame)
+    return SampledVideo(frames=frames, frame_indices=tuple(indices), native_fps=native_fps,
+                        total_frames=total_frames, notices=notices)
