@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 from app import limits
-from app.config import AppConfig, parse_config, serving_slots
+from app.config import AppConfig, handler_slots, parse_config
 from app.engine.loader import ModelUnavailable
 from app.engine.manager import ModelManager, get_manager
 from app.zerogpu import on_zero_gpu
@@ -64,25 +64,40 @@ def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool =
         os.environ.setdefault(name, value)
     import gradio as gr
 
+    from app.ui.cancellable import cancel_on_reset_route
     from app.ui.layout import CSS_PATH, build_demo
-    from app.uploads import start_upload_cleaner
+    from app.uploads import UploadJanitor, upload_route
+    from app.web_guard import LoginRequired
+    from starlette.middleware import Middleware
 
     sys.setswitchinterval(limits.SWITCH_INTERVAL_S)  # each upload's chunks go through a thread
     if config.share and not config.auth:
         log.warning(limits.MSG_SHARE_WITHOUT_AUTH)
     upload_folder = use_upload_folder(config)
-    demo = build_demo(manager)  # caches its example media in the upload folder, which the cleaner spares
-    start_upload_cleaner(upload_folder)
-    # The model manager keeps the real wait queue (bounded, first come first served, with positions);
-    # Gradio's queue only has to let those requests through, and its bound is a backstop.
-    demo.queue(max_size=2 * serving_slots(config) + 16, default_concurrency_limit=1)
+    demo = build_demo(manager)  # caches its example media in the upload folder, which the janitor spares
+    janitor = UploadJanitor(upload_folder)
+    # The engine keeps the only wait line (bounded, first come first served, with positions, and "busy"
+    # past it): Gradio runs every generating request at once up to far more than that line holds
+    # (handler_slots, the generating events' concurrency), so that none waits in Gradio's queue first or
+    # hears Gradio's "Queue is full". That queue, and the thread pool each running handler holds a
+    # thread of, are sized to it (the rest of the pool serves the other events); the queue's bound keeps
+    # a flood's memory bounded.
+    slots = handler_slots(config)
+    demo.queue(max_size=slots, default_concurrency_limit=1)
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
                 prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=quiet,
                 footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
-                max_threads=serving_slots(config) + 40, enable_monitoring=False,
+                max_threads=slots + 40, enable_monitoring=False,
+                # Run history is a page the app does not link, and its routes have the server call the
+                # Hugging Face Hub for whoever asks.
+                run_history=False,
                 # Part of the app from its first request (a route added after launch() returns, which
-                # with --share is after the share-link attempt, answered 404 until then).
-                app_kwargs={"routes": [metrics_route(manager)]})
+                # with --share is after the share-link attempt, answered 404 until then); listed before
+                # Gradio's routes, so that the upload route replaces Gradio's.
+                app_kwargs={"routes": [metrics_route(manager), upload_route(janitor), cancel_on_reset_route(demo)],
+                            # Gradio checks the login route by route and misses some: this checks every request.
+                            "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token)]})
+    janitor.start(running=lambda: demo.is_running)
     # What start-up made (Gradio, the UI: 166,000 objects) stays: out of the collector's full collections,
     # each of which walked it for 0.18 s on the dev machine, holding up every stream this process serves.
     gc.freeze()

@@ -165,8 +165,11 @@ class Fronts(ChildProcesses):
     kind = "Front"
 
     def __init__(self, host: str, port: int, backends: list[str], count: int):
+        from app.front import MovedSessions
+
         super().__init__(count)
         self.host, self.port, self.backends = host, port, backends
+        self.moved = MovedSessions(self._context)  # shared by the fronts, and kept for one that is started again
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             self.socket = socket.create_server((host, port), family=family, backlog=2048)
@@ -174,7 +177,7 @@ class Fronts(ChildProcesses):
             raise RuntimeError(f"Could not serve on {host}:{port}: {error}") from None
 
     def _main(self, index: int) -> tuple:
-        return _serve_front, index, self.socket, self.backends
+        return _serve_front, index, self.socket, self.backends, self.moved
 
     def _serves(self, index: int) -> str:
         return f"{self.host}:{self.port} for {len(self.backends)} web processes"
@@ -198,13 +201,13 @@ def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], 
     demo.block_thread()
 
 
-def _serve_front(index: int, listening: socket.socket, backends: list[str], ready) -> None:
+def _serve_front(index: int, listening: socket.socket, backends: list[str], moved, ready) -> None:
     """A front's main: serve the public address's connections that this process accepts, until SIGTERM."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the parent too: it stops us
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front {index}]: %(message)s")
-    server = start_front(listening, backends)
+    server = start_front(listening, backends, moved)
     gc.freeze()  # as app.main.launch does: 212,000 start-up objects, 0.17-0.21 s a full collection on the dev machine
     ready.put(index)
     while not stop.wait(0.5) and server.thread.is_alive():
@@ -216,14 +219,14 @@ def _serve_front(index: int, listening: socket.socket, backends: list[str], read
     server.thread.join(15)
 
 
-def start_front(listening: socket.socket, backends: list[str]):
+def start_front(listening: socket.socket, backends: list[str], moved=None):
     """Serve connections of the `listening` socket (uvicorn, on a thread of its own, so that it installs no
-    signal handlers) until the returned server's should_exit is set."""
+    signal handlers) until the returned server's should_exit is set; `moved`: app.front.MovedSessions, if shared."""
     import uvicorn
 
     from app.front import Front
 
-    front = Front(backends)
+    front = Front(backends, moved)
     server = uvicorn.Server(uvicorn.Config(front, lifespan="off", ws="none", log_level="warning",
                                            timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, name="front", daemon=True)

@@ -172,7 +172,7 @@ def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager
     payload = ('<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2">'
                '<iframe src="javascript:window.__pwned = 3"></iframe> and plain words after')
 
-    def hostile_stream(messages, settings):
+    def hostile_stream(messages, settings, stop=None):
         yield ReplyUpdate(text=payload)
 
     monkeypatch.setattr(manager, "stream", hostile_stream)

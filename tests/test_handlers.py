@@ -28,7 +28,7 @@ def test_chat_turn_streams_then_adds_stats(handlers, manager, red_image):
     assert box is None and camera is None
     assert [m["role"] for m in history] == ["user", "user"]
     # Long enough to span several stream intervals (tokens that arrive together go out as one update).
-    updates, final = run(handlers, manager, history, max_new_tokens=64, min_new_tokens=64)
+    updates, final = run(handlers, manager, history, max_new_tokens=256, min_new_tokens=256)
     assert len(updates) >= 3
     reply, stats = final[-2], final[-1]
     assert reply["role"] == "assistant" and reply["content"]

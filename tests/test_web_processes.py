@@ -8,14 +8,20 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import orjson
 import pytest
+from gradio.server_messages import (EstimationMessage, HeartbeatMessage, ProcessCompletedMessage,
+                                    ProcessGeneratingMessage, ProcessStartsMessage)
 from gradio_client import Client
+from gradio_client.exceptions import AppError
 
+from app import limits
 from app.config import parse_config
 from app.engine.settings import GenerationSettings
-from app.front import SessionRouter, routing_key, tag, untag
+from app.front import EventsInProgress, MovedSessions, SessionRouter, routing_key, tag, untag
 from tests.conftest import ROOT, free_port, make_image, picture_requests, wait_for
 from tests.test_api import FIXED, stream
 from tests import test_browser
@@ -24,6 +30,7 @@ from tests.test_engine_process import answers_at_once, reply, user
 
 PROCESSES = 2
 FRONTS = 2
+LONG = {"max_new_tokens": 2000, "min_new_tokens": 2000, "do_sample": False}
 browser = test_browser.browser  # the fixture, shared
 
 
@@ -126,20 +133,84 @@ def test_the_page_streams_through_the_front_and_a_closed_tab_frees_the_batch(app
     assert wait_for(lambda: app.metric("minicpmv_batch_size") == 0, 20)  # well before 4000 tokens
 
 
-def test_a_web_process_that_dies_is_replaced_and_its_request_leaves_the_batch(app):
-    client = clients_on_each_process(app.url, 1)[1]  # a session of process 1
-    old_pid = app.web_pids()[1]
+def new_session_on(url: str, index: int) -> Client:
+    """A new client whose session's own web process (by the front's hash) is `index`."""
+    router = SessionRouter(PROCESSES)
+    while True:
+        client = Client(url, verbose=False)
+        if router.pick(client.session_hash) == index:
+            return client
+        client.close()
+
+
+def failures_at_once(ask, count: int) -> list[tuple[int, str]]:
+    """Run ask(i) for i < count, each on a thread of its own, all at once: (i, error) for each that failed."""
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(ask, i) for i in range(count)]
+    return [(i, repr(future.exception())) for i, future in enumerate(futures) if future.exception() is not None]
+
+
+def error_of(job) -> BaseException:
+    try:
+        job.result(timeout=60)
+    except BaseException as error:  # concurrent.futures.CancelledError is one
+        return error
+    raise AssertionError("The reply ended without an error")
+
+
+def ask_a_new_session(clients: list, i: int, url: str, process: int) -> None:
+    clients[i] = new_session_on(url, process)
+    assert stream(clients[i], f"User {i}, new here.", [], FIXED)[1][1]["new_tokens"] == 24
+
+
+def test_a_web_process_that_dies_says_so_and_others_serve_its_new_sessions_until_it_is_back(app, browser, red_image):
+    # A page and an API client of one web process, each in the middle of a long reply.
+    page = open_page(browser, app.url)
+    set_max_new_tokens(page, 4000)
+    page.locator("#chat-input textarea").fill("Write a very long essay.")
+    # ...with its stream of messages open: the front learns an event's id from the messages that pass.
+    with page.expect_request(lambda request: "/queue/join" in request.url) as join, \
+            page.expect_response(lambda response: "/queue/data" in response.url):
+        page.locator("#chat-input textarea").press("Enter")
+    dead = SessionRouter(PROCESSES).pick(json.loads(join.value.post_data)["session_hash"])
+    client = clients_on_each_process(app.url, 1)[dead]
+    old_pid = app.web_pids()[dead]
     stopped_before = app.metric('minicpmv_requests_total{outcome="stopped"}')
-    job = client.submit("Go on and on.", [], {"max_new_tokens": 4000, "min_new_tokens": 4000}, api_name="/ask")
-    assert wait_for(lambda: app.metric("minicpmv_batch_size") == 1, 30)
-    os.kill(old_pid, signal.SIGKILL)
-    assert wait_for(lambda: app.metric("minicpmv_batch_size") == 0, 20)  # the engine dropped its request
-    assert app.metric('minicpmv_requests_total{outcome="stopped"}') == stopped_before + 1
-    with pytest.raises(Exception):
-        job.result(timeout=30)
-    assert wait_for(lambda: app.web_pids()[1] != old_pid, 120), app.log()
-    fresh = clients_on_each_process(app.url, 1)[1]
-    assert stream(fresh, "Back?", [], FIXED)[1][1]["new_tokens"] == 24
+    job = client.submit("Go on and on.", [], LONG, api_name="/ask")
+    assert wait_for(lambda: job.outputs() and app.metric("minicpmv_batch_size") == 2, 30)
+    # The parent, which starts a dead web process again, is held meanwhile: the process stays down for as long
+    # as this part takes, however slow the machine.
+    os.kill(app.process.pid, signal.SIGSTOP)
+    try:
+        os.kill(old_pid, signal.SIGKILL)
+        # Both are told what happened (it was a bare CancelledError), and the engine drops both replies.
+        error = error_of(job)
+        assert isinstance(error, AppError) and str(error) == limits.MSG_WEB_PROCESS_DOWN, repr(error)
+        page.get_by_text(limits.MSG_WEB_PROCESS_DOWN).first.wait_for(timeout=30_000)
+        page.close()
+        assert wait_for(lambda: app.metric("minicpmv_batch_size") == 0, 20)
+        assert app.metric('minicpmv_requests_total{outcome="stopped"}') == stopped_before + 2
+
+        # New sessions whose own process is the dead one are served by the other one (they got 502 Bad
+        # Gateway); one asks about a picture.
+        clients = [None] * 10
+        failures = failures_at_once(lambda i: ask_a_new_session(clients, i, app.url, dead), len(clients))
+        assert not failures, f"{len(failures)} of 10 new sessions failed while web process {dead} was down: {failures}"
+        moved = new_session_on(app.url, dead)
+        assert stream(moved, "What is in this picture?", [red_image], FIXED)[1][1]["visual_tokens"] > 0
+    finally:
+        os.kill(app.process.pid, signal.SIGCONT)
+
+    assert wait_for(lambda: app.web_pids()[dead] != old_pid, 120), app.log()
+    # Back: every process serves, and the sessions that went elsewhere meanwhile are still served there, through
+    # either front (when only the front that moved a session knew, its queue/join and queue/data could reach
+    # different processes); the process that is back does not have this one's picture.
+    for fresh in clients_on_each_process(app.url, 1):
+        assert stream(fresh, "Back?", [], FIXED)[1][1]["new_tokens"] == 24
+    failures = failures_at_once(lambda i: stream(clients[i], "Still there?", [], FIXED), len(clients))
+    assert not failures, f"{len(failures)} of 10 moved sessions failed once web process {dead} was back: {failures}"
+    _, (_, stats) = stream(moved, "And what colour is it?", [], {**FIXED, "follow_up": True})
+    assert stats["visual_tokens"] > 0
 
 
 def test_a_front_that_dies_is_replaced_and_the_other_serves_meanwhile(app):
@@ -179,6 +250,55 @@ def test_routing_keys_of_gradio_requests():
     assert untag(tag("0f3a9c", 2)) == ("0f3a9c", 2) and router.pick(tag("0f3a9c", 2)) == 2
     assert untag("0f3a9c") == ("0f3a9c", None)
     assert router.pick(tag("0f3a9c", 7)) in (0, 1, 2)  # a process this layout does not have: hashed like any key
+
+
+def test_a_session_whose_process_is_down_goes_to_the_next_and_stays_there():
+    moved = MovedSessions()
+    router, other_front = SessionRouter(3, moved), SessionRouter(3, moved)
+    key = next(key for key in map(str, range(100)) if router.pick(key) == 1)
+    assert router.candidates(key) == [1, 2, 0]  # its own process, then the next ones: every front agrees
+    assert router.candidates(tag("0f3a9c", 2)) == [2]  # an event is held by its process only
+    router.served(key, 2)  # 1 took no connection
+    assert router.candidates(key) == other_front.candidates(key) == [2, 1, 0]  # 1, back, does not take it
+    assert SessionRouter(3).candidates(key) == [1, 2, 0]  # fronts that do not share the table would not agree
+    other_front.served(key, 1)  # 2 died too, and 1 served it
+    assert router.candidates(key) == [1, 2, 0]
+    # Bounded: a later session whose key has the same slot takes it, and the earlier one goes home.
+    same_slot = next(other for other in map(str, range(10**6))
+                     if other != key and moved._place(other)[0] == moved._place(key)[0])
+    router.served(key, 2)
+    router.served(same_slot, (router.pick(same_slot) + 1) % 3)
+    assert router.pick(key) == 1 and moved.get(same_slot) is not None
+
+
+def gradio_stream(*messages) -> bytes:
+    """Messages as gradio.routes' queue_data writes them."""
+    return b"".join(b"data: " + orjson.dumps(message.model_dump(), default=str) + b"\n\n" for message in messages)
+
+
+def test_a_broken_event_stream_ends_its_events_in_progress_with_a_clear_error():
+    sse = httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"})
+    events = EventsInProgress.of("GET", "/gradio_api/queue/data", sse)
+    generating = ProcessGeneratingMessage(event_id="a", output={"data": [["append", [0], "word"]]}, success=True)
+    relayed = gradio_stream(EstimationMessage(event_id="a", rank=0, queue_size=1), ProcessStartsMessage(event_id="b"),
+                            HeartbeatMessage(), generating,
+                            ProcessCompletedMessage(event_id="b", output={}, success=True))
+    unfinished = gradio_stream(ProcessStartsMessage(event_id="c"))[:20]
+    passed = b"".join(events.whole_messages(relayed[start:start + 7]) for start in range(0, len(relayed), 7))
+    assert passed == relayed and events.whole_messages(unfinished) == b""  # whole messages only
+    messages = [json.loads(message[len("data: "):]) for message in events.farewell().split(b"\n\n")[:-1]]
+    error = {"error": limits.MSG_WEB_PROCESS_DOWN, "duration": None, "visible": True, "title": "Error"}
+    ended = {"msg": "process_completed", "event_id": "a", "output": error, "success": False, "title": "Error"}
+    assert messages == [ended, {"msg": "close_stream", "event_id": None}]  # "b" completed, "c" never started
+
+    # The REST API's stream carries one event, in its path.
+    events = EventsInProgress.of("GET", "/gradio_api/call/ask/0f3a9c.w1", sse)
+    events.whole_messages(b'event: generating\ndata: ["w", {}]\n\n')
+    assert events.open and events.farewell() == f"event: error\ndata: {json.dumps(error)}\n\n".encode()
+    events.whole_messages(b'event: complete\ndata: ["words", {}]\n\n')
+    assert not events.open
+    assert EventsInProgress.of("GET", "/gradio_api/heartbeat/s1", sse) is None
+    assert EventsInProgress.of("GET", "/gradio_api/queue/data", httpx.Response(404, json={})) is None
 
 
 @pytest.mark.parametrize("flag", [["--share"], ["--auth", "a:b"], ["--allow-model-switch"], ["--in-process-engine"],

@@ -12,10 +12,12 @@ import gradio as gr
 
 from app import limits
 from app.chat import history_to_messages, reply_for_display, reply_text, strip_reasoning, user_content
+from app.engine.settings import parse_flag
 from app.errors import UserError
 from app.media.files import media_kind
 from app.media.images import check_image
 from app.media.video import probe_video, sampled_frame_indices
+from app.ui.refusals import log_refusal, refusal
 
 # Order of the settings components that every generating event passes after its own inputs.
 SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty",
@@ -129,8 +131,9 @@ class Handlers:
 
     # Shared: stream a reply into a chat history -----------------------------------------------------
 
-    def respond(self, history: list, *setting_values):
-        """Stream the assistant's reply to the last user turn of `history` (Chat, Multi-image and Video tabs)."""
+    def respond(self, history: list, *setting_values, stop=None):
+        """Stream the assistant's reply to the last user turn of `history` (Chat, Multi-image and Video
+        tabs); `stop` (app.engine.stop_signal) ends it at once."""
         history = list(history or [])
         try:
             settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
@@ -138,7 +141,7 @@ class Handlers:
             history.append({"role": "assistant", "content": ""})
             # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup takes the
             # request out of the batch.
-            with closing(self.manager.stream(messages, settings)) as updates:
+            with closing(self.manager.stream(messages, settings, stop)) as updates:
                 for update in updates:
                     if update.waiting_ahead is not None:
                         history[-1] = waiting_message(update.waiting_ahead)
@@ -150,6 +153,7 @@ class Handlers:
                         history.append(stats_message(update.stats, update.notices))
                     yield history
         except UserError as error:
+            log_refusal(str(error))
             gr.Warning(str(error))
             yield _without_last_turn(history) + [error_message(str(error))]
 
@@ -176,12 +180,12 @@ class Handlers:
         if camera_image:
             paths.append(camera_image)
         if not text.strip() and not paths:
-            raise gr.Error(limits.MSG_EMPTY_REQUEST)
+            raise refusal(limits.MSG_EMPTY_REQUEST)
         try:
             for path in paths:
                 _check_upload(path)
         except UserError as error:
-            raise gr.Error(str(error)) from None
+            raise refusal(str(error)) from None
         history = list(history or [])
         history.extend({"role": "user", "content": {"path": path}} for path in paths)
         if text.strip():
@@ -248,7 +252,7 @@ class Handlers:
         """The first question carries every gallery image, in gallery order; follow-ups are text only."""
         paths = [_path(item) for item in gallery or []]
         if not paths:
-            raise gr.Error(limits.MSG_MULTI_IMAGE_NEEDS_IMAGES)
+            raise refusal(limits.MSG_MULTI_IMAGE_NEEDS_IMAGES)
         return self._add_question(question, paths, history)
 
     # Video tab --------------------------------------------------------------------------------------
@@ -267,19 +271,19 @@ class Handlers:
 
     def add_video_question(self, question: str, video: str | None, history: list):
         if not video:
-            raise gr.Error(limits.MSG_VIDEO_NEEDS_VIDEO)
+            raise refusal(limits.MSG_VIDEO_NEEDS_VIDEO)
         return self._add_question(question, [video], history)
 
     def _add_question(self, question: str, paths: list[str], history: list):
         if not (question or "").strip():
-            raise gr.Error(limits.MSG_EMPTY_REQUEST)
+            raise refusal(limits.MSG_EMPTY_REQUEST)
         history = list(history or [])
         if not any(entry["role"] == "user" for entry in history):
             try:
                 for path in paths:
                     _check_upload(path)
             except UserError as error:
-                raise gr.Error(str(error)) from None
+                raise refusal(str(error)) from None
             history.extend({"role": "user", "content": {"path": path}} for path in paths)
         history.append({"role": "user", "content": question})
         return history, ""
@@ -292,36 +296,37 @@ class Handlers:
     def switch_model(self, model: str, progress=gr.Progress()):
         """Load another checkpoint for everyone (only wired with --allow-model-switch)."""
         if not self.manager.config.allow_model_switch:
-            raise gr.Error(limits.MSG_SWITCH_OFF)
+            raise refusal(limits.MSG_SWITCH_OFF)
         model = (model or "").strip()
         progress(0.1, desc=f"Waiting for replies in progress, then loading {model}…")
         try:
             result = self.manager.switch(model)
         except UserError as error:
-            raise gr.Error(str(error)) from None
+            raise refusal(str(error)) from None
         freed = result["freed_gpu_bytes"] / 2**30
         gr.Info(f"Now serving {model}" + (f" ({freed:.2f} GiB of GPU memory released)" if freed > 0 else "") + ".")
         return model_header(self.manager.info())
 
     # API --------------------------------------------------------------------------------------------
 
-    def ask(self, text: str, files: list | None, settings: dict | None, conversation: list | None):
-        """/ask: stream (reply_text, stats). settings["follow_up"] = true continues this client's last conversation."""
+    def ask(self, text: str, files: list | None, settings: dict | None, conversation: list | None, stop=None):
+        """/ask: stream (reply_text, stats). settings["follow_up"] = true continues this client's last
+        conversation; `stop` ends the reply at once."""
         if settings is not None and not isinstance(settings, dict):
-            raise gr.Error(limits.MSG_SETTINGS_NOT_OBJECT)
+            raise refusal(limits.MSG_SETTINGS_NOT_OBJECT)
         started_at = time.time()
         overrides = dict(settings or {})
-        follow_up = overrides.pop("follow_up", False) in (True, "true", 1)
         text = text or ""
         paths = [_path(file) for file in files or []]
         try:
+            follow_up = parse_flag("follow_up", overrides.pop("follow_up", False))
             generation_settings = self.settings_from(overrides)
             if not text.strip() and not paths:
                 raise UserError(limits.MSG_EMPTY_REQUEST)
             messages = list(conversation or []) if follow_up else []
             messages.append({"role": "user", "content": user_content(text, paths)})
             reply = ""
-            with closing(self.manager.stream(messages, generation_settings)) as updates:
+            with closing(self.manager.stream(messages, generation_settings, stop)) as updates:
                 for update in updates:
                     reply = reply_text(update.text, update.opens_thinking)
                     if update.waiting_ahead is not None:
@@ -332,4 +337,4 @@ class Handlers:
             yield reply, {"done": True, **update.stats, "handler_started_at": round(started_at, 3), "notices": update.notices}, \
                 messages + [answer]
         except UserError as error:
-            raise gr.Error(str(error)) from None
+            raise refusal(str(error)) from None

@@ -6,8 +6,10 @@ import gradio as gr
 
 from app import limits
 from app.chat import THINK_CLOSE, THINK_OPEN
-from app.config import serving_slots
+from app.config import handler_slots
 from app.engine.presets import PRESETS
+from app.ui.cancellable import cancellable
+from app.ui.file_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, model_header
 from app.zerogpu import on_zero_gpu
 
@@ -23,7 +25,7 @@ def _settings_sidebar(defaults) -> dict:
         components = {
             "max_new_tokens": gr.Slider(1, limits.MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
             "do_sample": gr.Checkbox(value=defaults.do_sample, label="Sample (off: greedy)"),
-            "temperature": gr.Slider(0.01, 2.0, value=defaults.temperature, step=0.01, label="Temperature"),
+            "temperature": gr.Slider(limits.MIN_SAMPLING_TEMPERATURE, 2.0, value=defaults.temperature, step=0.01, label="Temperature"),
             "top_p": gr.Slider(0.01, 1.0, value=defaults.top_p, step=0.01, label="Top-p"),
             "top_k": gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0: off)"),
             "repetition_penalty": gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.01, label="Repetition penalty"),
@@ -66,12 +68,12 @@ def question_then_answer(add, inputs: int, respond):
     app: 200-235 ms after Enter against 110-146). If the reply fails (an unreadable image, a busy demo),
     the cleared inputs get back what was submitted, so that the question is not lost with its turn."""
 
-    def added_then_answered(*values):
+    def added_then_answered(*values, stop=None):
         added = add(*values[:inputs])
         yield added
         cleared = len(added) - 1
         history = added[0]
-        for history in respond(added[0], *values[inputs:]):
+        for history in respond(added[0], *values[inputs:], stop=stop):
             yield history, *[gr.skip()] * cleared
         if ends_in_error(history):
             yield history, *values[:cleared]
@@ -79,17 +81,22 @@ def question_then_answer(add, inputs: int, respond):
     return added_then_answered
 
 
-def _wire_question(box, add, add_inputs: list, outputs: list, respond, settings, concurrency: int):
+def _streaming(handler, blocks):
+    """A streaming handler as events of `blocks` run it: on ZeroGPU's GPU, and ended at once by a cancel."""
+    return cancellable(on_zero_gpu(handler), blocks)
+
+
+def _wire_question(blocks, box, add, add_inputs: list, outputs: list, respond, settings, concurrency: int):
     """A question submitted from `box` as one event (question_then_answer): `outputs` are the chatbot, then
     the first of `add_inputs` that `add` clears; the box's stop control cancels it (_stop_cancels)."""
-    answer = box.submit(on_zero_gpu(question_then_answer(add, len(add_inputs), respond)), [*add_inputs, *settings],
+    answer = box.submit(_streaming(question_then_answer(add, len(add_inputs), respond), blocks), [*add_inputs, *settings],
                         outputs, concurrency_id=MODEL_EVENTS, concurrency_limit=concurrency, api_visibility="undocumented")
     _stop_cancels(box, answer, outputs[0])
 
 
-def _wire_answer(trigger, respond, chatbot, settings, stop_target, concurrency: int):
+def _wire_answer(blocks, trigger, respond, chatbot, settings, stop_target, concurrency: int):
     """Stream a reply after `trigger` succeeds; the stop control cancels it (_stop_cancels)."""
-    answer = trigger.success(respond, [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
+    answer = trigger.success(_streaming(respond, blocks), [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
                              concurrency_limit=concurrency, api_visibility="undocumented")
     _stop_cancels(stop_target, answer, chatbot)
 
@@ -104,13 +111,13 @@ def _stop_cancels(stop_target, answer, chatbot) -> None:
 def build_demo(manager) -> gr.Blocks:
     handlers = Handlers(manager)
     defaults = manager.default_settings()
-    # Enough handlers run at once to fill the engine's batch and its wait line (which orders them and
-    # reports their places); past that the engine answers "busy" at once.
-    concurrency = serving_slots(manager.config)
+    # Every generating request reaches the engine at once (its batch and wait line, and far more beyond:
+    # handler_slots), so that the engine's line is the only one: it orders them, reports their places,
+    # and answers "busy" at once past its end.
+    concurrency = handler_slots(manager.config)
     info = manager.info()
-    respond = on_zero_gpu(handlers.respond)
 
-    with gr.Blocks(title="MiniCPM-V demo") as demo:
+    with UploadsOnlyBlocks(title="MiniCPM-V demo") as demo:
         header = gr.Markdown(model_header(info), elem_id="model-header")
         if info.random_weights:
             gr.Markdown(limits.MSG_RANDOM_WEIGHTS, elem_id="random-weights")
@@ -129,8 +136,11 @@ def build_demo(manager) -> gr.Blocks:
                     [(preset.label, preset.model) for preset in PRESETS], value=info.name, allow_custom_value=True,
                     label="Checkpoint", info="A preset, any Hub id or a local folder. Changes the model for everyone.")
                 load_model = gr.Button("Load this model")
-            load_model.click(handlers.switch_model, [model_choice], [header], concurrency_id=MODEL_EVENTS,
-                             api_visibility="private")
+            # One switch at a time, in a group of its own: a concurrency group's limit is the lowest any of
+            # its events asks for (gradio.queueing.Queue.create_event_queue_for_fn), so in MODEL_EVENTS a
+            # switch's 1 held every reply after it to one at a time. Replies wait for a switch in the engine.
+            load_model.click(handlers.switch_model, [model_choice], [header], concurrency_id="model-switch",
+                             concurrency_limit=1, api_visibility="private")
 
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
@@ -189,10 +199,10 @@ def build_demo(manager) -> gr.Blocks:
         settings = [{**sidebar, **video_settings}[key] for key in SETTING_KEYS]
 
         # Chat tab.
-        _wire_question(chat_box, handlers.add_chat_message, [chat_box, camera, chat], [chat, chat_box, camera],
+        _wire_question(demo, chat_box, handlers.add_chat_message, [chat_box, camera, chat], [chat, chat_box, camera],
                        handlers.respond, settings, concurrency)
         retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
-        _wire_answer(retried, respond, chat, settings, chat_box, concurrency)
+        _wire_answer(demo, retried, handlers.respond, chat, settings, chat_box, concurrency)
         chat.undo(handlers.undo, [chat], [chat, chat_box], api_visibility="undocumented")
         chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
 
@@ -208,7 +218,7 @@ def build_demo(manager) -> gr.Blocks:
                      api_visibility="undocumented").then(lambda: [], None, [multi_chat], api_visibility="undocumented")
         for control in (sidebar["max_slice_nums"], sidebar["downsample_mode"], sidebar["visual_token_budget"]):
             control.change(handlers.image_costs, cost_inputs, [costs], api_visibility="undocumented")
-        _wire_question(multi_box, handlers.add_multi_image_question, [multi_box, gallery, multi_chat],
+        _wire_question(demo, multi_box, handlers.add_multi_image_question, [multi_box, gallery, multi_chat],
                        [multi_chat, multi_box], handlers.respond, settings, concurrency)
 
         # Video tab: a new video starts a new conversation.
@@ -217,13 +227,13 @@ def build_demo(manager) -> gr.Blocks:
             lambda: [], None, [video_chat], api_visibility="undocumented")
         for control in (video_settings["video_fps"], video_settings["video_max_frames"]):
             control.change(handlers.video_summary, summary_inputs, [video_info], api_visibility="undocumented")
-        _wire_question(video_box, handlers.add_video_question, [video_box, video, video_chat],
+        _wire_question(demo, video_box, handlers.add_video_question, [video_box, video, video_chat],
                        [video_chat, video_box], handlers.respond, settings, concurrency)
 
         demo.load(lambda: model_header(manager.info()), None, [header], api_visibility="private")
 
         # The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask").
-        api_button.click(on_zero_gpu(handlers.ask), [api_text, api_files, api_settings, api_conversation],
+        api_button.click(_streaming(handlers.ask, demo), [api_text, api_files, api_settings, api_conversation],
                          [api_reply, api_stats, api_conversation], api_name="ask", concurrency_id=MODEL_EVENTS,
                          concurrency_limit=concurrency,
                          api_description="Ask about images or one video; streams (reply_text, stats).")

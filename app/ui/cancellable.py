@@ -1,0 +1,63 @@
+"""Streaming handlers that a cancel ends at once, whatever they are doing."""
+
+import contextlib
+
+import anyio
+
+from app.engine.stop_signal import StopSignal
+from app.zerogpu import zero_gpu_enabled
+
+_END = object()
+
+
+def cancellable(handler, blocks):
+    """`handler` (a generator function that takes `stop=`, a StopSignal) as an async generator for Gradio.
+
+    Gradio runs a plain generator's every step in a thread that a cancel (Stop, gradio_client's
+    job.cancel(), a client gone) cannot interrupt, and keeps the generator to close it only once its
+    first step is out: a reply cancelled while its request was still being prepared streamed on to
+    its last token. An async generator gets the cancel at once, inside the step; its `finally` sets the
+    StopSignal, which ends the reply in the engine within a decode step, and the handler's thread with it.
+    Each step runs in a thread of `blocks`' pool (Gradio's, sized by launch's max_threads).
+
+    On ZeroGPU, where the handler runs in a GPU worker process of its own, it is left as it is.
+    """
+    if zero_gpu_enabled():
+        return handler
+
+    async def run(*values):
+        stop = StopSignal()
+        updates = handler(*values, stop=stop)
+        try:
+            while (update := await anyio.to_thread.run_sync(next, updates, _END, abandon_on_cancel=True,
+                                                            limiter=blocks.limiter)) is not _END:
+                yield update
+        finally:
+            stop.set()
+            with contextlib.suppress(ValueError):  # still running in its thread, where the stop ends it
+                updates.close()
+
+    run.__name__ = handler.__name__  # an event's default api_name
+    return run
+
+
+def cancel_on_reset_route(blocks):
+    """POST /gradio_api/reset: what gradio_client sends to cancel a job whose id it learned only after
+    job.cancel() was called (its POST /cancel, sent without an id, was refused). Gradio 6 answers it and
+    does nothing, so such a reply ran on to its end; here it cancels that event as Gradio's /cancel does:
+    out of the wait line, or its running task cancelled (which ends the reply: cancellable)."""
+    from fastapi import Body
+    from fastapi.routing import APIRoute
+    from gradio.route_utils import API_PREFIX
+    from gradio.utils import cancel_tasks
+
+    async def reset(event_id: str = Body(embed=True)) -> dict:
+        queue = blocks._queue
+        running = (event for job in queue.active_jobs if job for event in job)
+        event = queue.event_ids_to_events.get(event_id) or next((e for e in running if e._id == event_id), None)
+        if event is not None:
+            await queue.remove_from_queue(event_id)
+            await cancel_tasks({f"{event.session_hash}_{event.fn._id}"})
+        return {"success": True}
+
+    return APIRoute(f"{API_PREFIX}/reset", reset, methods=["POST"])

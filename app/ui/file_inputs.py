@@ -1,0 +1,54 @@
+"""Every file an event names must be one that this app stored from an upload.
+
+An event's data comes from the client, and a client can name any string as a file's `path`: a URL
+(Gradio itself downloads an `http(s)://` path into its cache, and OpenCV's FFmpeg reader opens URLs and
+protocols such as `rtsp:`, `concat:` or `pipe:`), a device, or another file of the server. Gradio checks
+local paths against its upload folder but lets URLs through, so the app checks every file object of
+every event (chat history included) before Gradio touches any of them.
+"""
+
+import os
+
+import gradio as gr
+
+from app import limits
+from app.media.files import shown_name
+from app.ui.refusals import refusal
+
+
+def uploaded_files_only(inputs, upload_folder: str) -> None:
+    """Raise gr.Error unless every file object in `inputs` (any dict with a "path") names a file in
+    `upload_folder`."""
+    folder = os.path.realpath(upload_folder)
+    for path in _file_paths(inputs):
+        if not (isinstance(path, str) and _inside(path, folder)):
+            raise refusal(limits.MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
+
+
+def _file_paths(value):
+    if isinstance(value, dict):
+        if "path" in value:
+            yield value["path"]
+        for item in value.values():
+            yield from _file_paths(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _file_paths(item)
+
+
+def _inside(path: str, folder: str) -> bool:
+    if "\0" in path or not os.path.isabs(path):  # a relative path or "scheme:..." is never an upload's
+        return False
+    real = os.path.realpath(path)
+    return real.startswith(folder + os.sep) and os.path.isfile(real)
+
+
+class UploadsOnlyBlocks(gr.Blocks):
+    """gr.Blocks whose events refuse files that were not uploaded to this app, before Gradio moves,
+    downloads or reads any of them (Blocks.validate_inputs runs first in preprocess_data)."""
+
+    def validate_inputs(self, block_fn, inputs):
+        super().validate_inputs(block_fn, inputs)
+        from gradio.utils import get_upload_folder
+
+        uploaded_files_only(inputs, get_upload_folder())
