@@ -10,8 +10,8 @@ special tokens split into plain text. Only the template places control tokens.
 """
 
 import re
-
-from transformers import BatchEncoding
+import threading
+import weakref
 
 _PRIVATE_USE = range(0xE000, 0xF900)  # Unicode's private use area: no template writes these
 
@@ -57,11 +57,15 @@ class TextPartsAsText:
     def __init__(self, tokenizer, texts: list[str], mark: str):
         self._tokenizer, self._texts = tokenizer, texts
         self._placeholder = re.compile(f"{mark}(\\d+){mark}")
+        self._encode_as_text = _text_encoder(tokenizer)
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
 
-    def __call__(self, text, return_tensors=None, **kwargs) -> BatchEncoding:
+    def __call__(self, text, return_tensors=None, **kwargs):
+        """A transformers BatchEncoding of the prompts' input ids and attention masks."""
+        from transformers import BatchEncoding
+
         ids = [self._token_ids(one) for one in ([text] if isinstance(text, str) else text)]
         return BatchEncoding({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]},
                              tensor_type=return_tensors)
@@ -71,8 +75,30 @@ class TextPartsAsText:
         ids = []
         for position, piece in enumerate(pieces):
             if position % 2:
-                ids += self._tokenizer(self._texts[int(piece)], add_special_tokens=False,
-                                       split_special_tokens=True)["input_ids"]
+                ids += self._encode_as_text(self._texts[int(piece)])
             elif piece:
                 ids += self._tokenizer(piece, add_special_tokens=False)["input_ids"]
         return ids
+
+
+_text_encoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_text_encoders_lock = threading.Lock()
+
+
+def _text_encoder(tokenizer):
+    """`encode(text) -> ids` with special tokens' spellings as plain text. A fast tokenizer keeps that choice
+    as state of its Rust tokenizer (transformers sets `encode_special_tokens` on each call that asks), so
+    asking the shared one from several preparing threads at once let a template's `<|image_pad|>` be split
+    into text. So a fast tokenizer gets a copy of its own, made once, that always splits them."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a Python tokenizer takes it as an argument, no state
+        return lambda text: tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    with _text_encoders_lock:
+        encoder = _text_encoders.get(tokenizer)
+        if encoder is None:
+            from tokenizers import Tokenizer
+
+            copy = Tokenizer.from_str(backend.to_str())
+            copy.encode_special_tokens = True
+            encoder = _text_encoders[tokenizer] = lambda text: copy.encode(text, add_special_tokens=False).ids
+        return encoder
