@@ -29,14 +29,14 @@ class AppConfig:
     trust_remote_code: bool = False
     load_in_4bit: bool = False
     allow_model_switch: bool = False
-    engine_process: bool = True  # the model runs in a process of its own (app.engine.engine_process)
+    engine_process: bool = True  # the model runs in a process of its own (app.engine.process)
     prepare_processes: int = -1  # app.engine.preparers.preparer_processes
-    web_processes: int = 1  # Gradio servers sharing the engine process, behind one address (app.web_processes)
-    front_processes: int = 0  # with web_processes > 1: proxies at that address; 0: app.web_processes.front_processes
+    web_processes: int = 1  # Gradio servers sharing the engine process, behind one address (app.web.processes)
+    front_processes: int = 0  # with web_processes > 1: proxies at that address; 0: app.web.processes.front_processes
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = "openbmb/MiniCPM-V-4.6"
-    # A scraper's bearer token for /metrics (app.web_guard); from the environment only, so that it is not
+    # A scraper's bearer token for /metrics (app.web.guard); from the environment only, so that it is not
     # shown in the process list, and left out of repr so that it is not logged.
     metrics_token: str | None = dataclasses.field(default=None, repr=False)
 
@@ -70,7 +70,7 @@ _OPTIONS = [
     ("--attn-implementation", "attn_implementation", "MINICPMV_ATTN", str, "Attention kernels: 'sdpa', 'eager' or 'flash_attention_2'."),
     ("--host", "host", "GRADIO_SERVER_NAME", str, "Address to listen on; 0.0.0.0 to serve a network."),
     ("--port", "port", "GRADIO_SERVER_PORT", int, "Port to listen on."),
-    ("--max-new-tokens", "max_new_tokens", "MINICPMV_MAX_NEW_TOKENS", int, "Default reply length cap shown in the UI."),
+    ("--max-new-tokens", "max_new_tokens", "MINICPMV_MAX_NEW_TOKENS", int, "Default reply length (at most MINICPMV_MAX_NEW_TOKENS_LIMIT, 8192)."),
     ("--visual-token-budget", "visual_token_budget", "MINICPMV_VISUAL_TOKEN_BUDGET", int,
      "Default visual tokens one request may spend on all its images together."),
     ("--backend", "backend", "MINICPMV_BACKEND", str,
@@ -143,6 +143,8 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--auth takes USER:PASSWORD, both non-empty")
     if args.web_processes < 1:
         parser.error("--web-processes is 1 or more")
+    if not 1 <= args.max_new_tokens <= limits.MAX_NEW_TOKENS:
+        parser.error(f"--max-new-tokens is 1 to {limits.MAX_NEW_TOKENS} (MINICPMV_MAX_NEW_TOKENS_LIMIT)")
     if args.max_batch_size < 1:
         parser.error("--max-batch-size is 1 or more")
     if args.queue_size < 0:

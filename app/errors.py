@@ -7,3 +7,7 @@ class UserError(ValueError):
 
 class Busy(UserError):
     """The wait line is full: the demo is busy (the request is counted as turned away, not as an error)."""
+
+
+class ModelUnavailable(UserError):
+    """The model cannot be found locally nor fetched: the app cannot start."""

@@ -1,120 +1,14 @@
-"""Start-up, in order: options, model load, warm-up, UI, server."""
+"""Start-up, in order: options, then one process serving everything (model load, warm-up, UI, server) or
+several web processes in front of one engine process (app.web.processes)."""
 
-import gc
 import logging
-import os
-import shutil
 import sys
-import tempfile
 
-from app import limits
-from app.config import AppConfig, handler_slots, parse_config
-from app.engine.loader import ModelUnavailable
-from app.engine.manager import ModelManager, get_manager
-from app.zerogpu import on_zero_gpu
+from app.config import parse_config
+from app.engine.backends import load_manager
+from app.errors import ModelUnavailable
 
 log = logging.getLogger("app")
-
-# Set before Gradio is imported, unless already set:
-GRADIO_SETTINGS = {
-    # Gradio wraps every event step in a matplotlib backend switch when matplotlib is installed; left to
-    # pick its backend, matplotlib imports pyplot and builds its font cache there, in the server's event
-    # loop (seconds on a fresh machine: the first reply on an H200 box reached its client 13 s late).
-    "MPLBACKEND": "agg",
-    # Each time an event ends, Gradio summarizes its last 10,000 events with pandas for its /monitoring
-    # page: 4-5 ms of a web process's CPU a request, 14-20 once a busy server has seen 10,000 events (dev
-    # core, CPU time; benchmarks/gradio_analytics.py). The app serves /metrics and its own panel
-    # instead: the page is off (launch), and the summary is never made.
-    "GRADIO_ANALYTICS_CACHE_FREQUENCY": str(2**62),
-}
-
-
-def load_manager(config: AppConfig) -> ModelManager:
-    manager = get_manager(config)
-    if not manager.loaded:
-        load_and_warm_up(manager, config)
-    return manager
-
-
-def load_and_warm_up(manager, config: AppConfig) -> None:
-    manager.load()
-    if config.warmup:
-        on_zero_gpu(manager.warm_up)()
-        manager.metrics.reset()  # the panel and /metrics count users' requests, not the warm-up's
-
-
-def use_upload_folder(config: AppConfig) -> str:
-    """The folder Gradio keeps uploads in (GRADIO_TEMP_DIR, set here if unset: web processes started
-    after this share it)."""
-    from gradio.utils import get_upload_folder
-
-    if not os.environ.get("GRADIO_TEMP_DIR"):
-        # A folder of our own, emptied at start: uploads of an earlier run belong to conversations that are gone.
-        own_folder = os.path.join(tempfile.gettempdir(), f"minicpmv-demo-uploads-{config.port}")
-        shutil.rmtree(own_folder, ignore_errors=True)
-        os.environ["GRADIO_TEMP_DIR"] = own_folder
-    upload_folder = get_upload_folder()
-    os.makedirs(upload_folder, exist_ok=True)
-    return upload_folder
-
-
-def launch(config: AppConfig, manager: ModelManager, prevent_thread_lock: bool = False, quiet: bool = False):
-    """Serve the UI; returns the Blocks (and keeps serving in the background) when prevent_thread_lock is set."""
-    for name, value in GRADIO_SETTINGS.items():
-        os.environ.setdefault(name, value)
-    import gradio as gr
-
-    from app.ui.cancellable import cancel_on_reset_route
-    from app.ui.layout import CSS_PATH, build_demo
-    from app.uploads import UploadJanitor, upload_route
-    from app.web_guard import LoginRequired
-    from starlette.middleware import Middleware
-
-    sys.setswitchinterval(limits.SWITCH_INTERVAL_S)  # each upload's chunks go through a thread
-    if config.share and not config.auth:
-        log.warning(limits.MSG_SHARE_WITHOUT_AUTH)
-    upload_folder = use_upload_folder(config)
-    demo = build_demo(manager)  # caches its example media in the upload folder, which the janitor spares
-    janitor = UploadJanitor(upload_folder)
-    # The engine keeps the only wait line (bounded, first come first served, with positions, and "busy"
-    # past it): Gradio runs every generating request at once up to far more than that line holds
-    # (handler_slots, the generating events' concurrency), so that none waits in Gradio's queue first or
-    # hears Gradio's "Queue is full". That queue, and the thread pool each running handler holds a
-    # thread of, are sized to it (the rest of the pool serves the other events); the queue's bound keeps
-    # a flood's memory bounded.
-    slots = handler_slots(config)
-    demo.queue(max_size=slots, default_concurrency_limit=1)
-    demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
-                prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=quiet,
-                footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
-                max_threads=slots + 40, enable_monitoring=False,
-                # Run history is a page the app does not link, and its routes have the server call the
-                # Hugging Face Hub for whoever asks.
-                run_history=False,
-                # Part of the app from its first request (a route added after launch() returns, which
-                # with --share is after the share-link attempt, answered 404 until then); listed before
-                # Gradio's routes, so that the upload route replaces Gradio's.
-                app_kwargs={"routes": [metrics_route(manager), upload_route(janitor), cancel_on_reset_route(demo)],
-                            # Gradio checks the login route by route and misses some: this checks every request.
-                            "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token)]})
-    janitor.start(running=lambda: demo.is_running)
-    # What start-up made (Gradio, the UI: 166,000 objects) stays: out of the collector's full collections,
-    # each of which walked it for 0.18 s on the dev machine, holding up every stream this process serves.
-    gc.freeze()
-    if not prevent_thread_lock:
-        demo.block_thread()
-    return demo
-
-
-def metrics_route(manager):
-    """GET /metrics: the engine's counters in Prometheus text format (counts and timings only, no content)."""
-    from fastapi.responses import PlainTextResponse
-    from fastapi.routing import APIRoute
-
-    def metrics() -> PlainTextResponse:
-        return PlainTextResponse(manager.metrics.prometheus(), media_type="text/plain; version=0.0.4")
-
-    return APIRoute("/metrics", metrics, methods=["GET"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     try:
         if config.web_processes > 1:
-            from app.web_processes import serve_with_web_processes
+            from app.web.processes import serve_with_web_processes
 
             serve_with_web_processes(config)
             return
@@ -130,4 +24,6 @@ def main(argv: list[str] | None = None) -> None:
     except ModelUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    from app.web.server import launch
+
     launch(config, manager)

@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from app.config import AppConfig
-    from app.engine.manager import ModelManager
+    from app.engine.core import ModelManager
     from app.engine.settings import GenerationSettings
 
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)

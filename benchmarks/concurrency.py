@@ -9,7 +9,7 @@ flight; unfinished ones are reported, not hidden. Two modes:
                  the level's clock starts, as users whose page is open (connecting is timed apart).
 Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
 it in the benchmark's (or the app's) process instead, as before that split. In app mode, --web-processes N
-serves the app as `python app.py --web-processes N` does: N web processes behind app.front's proxy, in
+serves the app as `python app.py --web-processes N` does: N web processes behind app.web.proxy's proxy, in
 --front-processes processes (0: as many as the app would start).
 Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
 
@@ -280,7 +280,7 @@ def main() -> None:
                         help="app mode: the client processes' GIL switch interval in seconds (default Python's, as in the runs "
                              "recorded before this option)")
     parser.add_argument("--web-processes", type=int, default=1,
-                        help="app mode: web processes behind app.front (python app.py --web-processes)")
+                        help="app mode: web processes behind app.web.proxy (python app.py --web-processes)")
     parser.add_argument("--front-processes", type=int, default=0,
                         help="app mode, with --web-processes above 1: proxy processes (python app.py --front-processes)")
     args = parser.parse_args()
@@ -289,8 +289,8 @@ def main() -> None:
     import transformers
 
     from app.config import AppConfig
-    from app.engine.engine_process import EngineProcess
-    from app.engine.manager import ModelManager
+    from app.engine.client import EngineProcess
+    from app.engine.core import ModelManager
     from app.engine.settings import GenerationSettings
 
     from app import limits
@@ -304,8 +304,8 @@ def main() -> None:
                        web_processes=args.web_processes, front_processes=args.front_processes,
                        prepare_processes=args.prepare_processes)
     if config.web_processes > 1:
-        from app.main import use_upload_folder
-        from app.web_processes import start_engine
+        from app.web.server import use_upload_folder
+        from app.web.processes import start_engine
 
         use_upload_folder(config)
         manager = start_engine(config)
@@ -323,7 +323,7 @@ def main() -> None:
 
     app, web, fronts = None, None, None
     if args.mode == "app" and config.web_processes > 1:
-        from app.web_processes import Fronts, WebProcesses, close_serving, front_processes
+        from app.web.processes import Fronts, WebProcesses, close_serving, front_processes
 
         web = WebProcesses(config, manager.listen, config.web_processes)
         web.start()
@@ -333,7 +333,7 @@ def main() -> None:
         print(f"front processes: {' '.join(map(str, fronts.pids))}", flush=True)
         app = (f"http://127.0.0.1:{config.port}", image_path, settings, args.client_switch_interval)
     elif args.mode == "app":
-        from app.main import launch
+        from app.web.server import launch
 
         app = (launch(config, manager, prevent_thread_lock=True).local_url, image_path, settings, args.client_switch_interval)
 

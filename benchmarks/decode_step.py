@@ -76,7 +76,7 @@ def main() -> None:
     import torch
 
     from app.config import AppConfig
-    from app.engine.manager import ModelManager
+    from app.engine.core import ModelManager
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     manager = ModelManager(AppConfig(model=model, load_in_4bit=args.load_in_4bit))
     manager.load()

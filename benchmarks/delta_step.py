@@ -1,4 +1,4 @@
-"""The DeltaNet layers' decode kernel (app.engine.text_kernels.gated_delta_step) alone, at MiniCPM-V 4.6's
+"""The DeltaNet layers' decode kernel (app.model.text.kernels.gated_delta_step) alone, at MiniCPM-V 4.6's
 shape (16 heads of 128x128 fp32 states), by batch size and by how the state is split between programs
 (value columns and warps a program; "app" marks text_kernels.delta_step_layout's choice): microseconds a
 layer, the bandwidth it reaches reading and writing the states, the same bytes read and written by a
@@ -26,7 +26,7 @@ DELTANET_LAYERS = 18  # of the text model's 24: every fourth is full attention
 def main() -> None:
     import torch
 
-    from app.engine import text_kernels
+    from app.model.text import kernels as text_kernels
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,32,100,200,256")

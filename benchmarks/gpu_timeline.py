@@ -4,7 +4,7 @@ concurrency.py measures what users get and how the scheduler's thread spends its
 GPU itself. The engine runs in a process of its own, as `python app.py` runs it (`--in-process-engine`:
 in this process, the users' threads sharing its GIL), N users send the benchmark's request back to back,
 and after --settle seconds the engine's counters are read over --seconds, then the engine profiles its
-GPU over as long a window (`ModelManager.profile_gpu`, app/engine/gpu_profile.py: torch's profiler, GPU
+GPU over as long a window (`ModelManager.profile_gpu`, app/model/gpu_profile.py: torch's profiler, GPU
 side only). Reported: how much of the window the GPU was busy on any stream, each stream's busy time,
 the time two streams ran at once, the idle gaps, the kernels' time by kind, the garbage collector's pauses
 in the engine's process, the busy time per request, and what the engine served in both windows (the
@@ -50,8 +50,8 @@ def main() -> None:
     import torch
 
     from app.config import AppConfig
-    from app.engine.engine_process import EngineProcess
-    from app.engine.manager import ModelManager
+    from app.engine.client import EngineProcess
+    from app.engine.core import ModelManager
     from app.engine.settings import GenerationSettings
 
     if not torch.cuda.is_available():

@@ -3,7 +3,7 @@
 A Gradio server keeps its last GRADIO_ANALYTICS_MAX_EVENTS events (10,000) and, by default, summarizes
 all of them with pandas when any event ends (GRADIO_ANALYTICS_CACHE_FREQUENCY=1), in the web process.
 This times that summary on a queue as `demo.queue()` makes it, for a server that has seen 100, 1,000
-and 10,000 events. The app turns it off (app.main.launch); --as-the-app times it with the app's setting.
+and 10,000 events. The app turns it off (app.web.server.launch); --as-the-app times it with the app's setting.
 Runs anywhere:
 
     python benchmarks/gradio_analytics.py
@@ -23,12 +23,12 @@ from benchmarks.report import write_json  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--as-the-app", action="store_true", help="with the setting app.main.launch makes")
+    parser.add_argument("--as-the-app", action="store_true", help="with the setting app.web.server.launch makes")
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.as_the_app:
-        from app.main import GRADIO_SETTINGS
+        from app.web.server import GRADIO_SETTINGS
 
         os.environ.update(GRADIO_SETTINGS)
     import gradio as gr

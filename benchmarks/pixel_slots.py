@@ -32,7 +32,7 @@ def main() -> None:
     import torch
 
     from app.engine.preparers import PIXEL_SLOT_BYTES, ProcessPreparer
-    from app.engine.random_checkpoint import ensure_tiny_checkpoint
+    from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
     from app.engine.settings import GenerationSettings
 
     torch.set_num_threads(1)

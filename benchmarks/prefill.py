@@ -21,10 +21,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import AppConfig  # noqa: E402
-from app.engine.batch_runner import PREFILL_GRAPH_ROWS  # noqa: E402
-from app.engine.manager import ModelManager  # noqa: E402
+from app.model.cuda_graphs import PREFILL_GRAPH_ROWS  # noqa: E402
+from app.engine.core import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
-from app.engine.vision_tower import tune_vision_tower  # noqa: E402
+from app.model.vision.tower import tune_vision_tower  # noqa: E402
 from benchmarks.decode_step import kernel_profile  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402

@@ -32,7 +32,7 @@ def main() -> None:
 
     from app.engine.inputs import load_processor, prepare_inputs
     from app.engine.preparers import ProcessPreparer
-    from app.engine.random_checkpoint import ensure_tiny_checkpoint
+    from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
     from app.engine.settings import GenerationSettings
     from app.media.images import load_image, load_image_pixels
 

@@ -13,7 +13,7 @@ def ensure_real_shape_checkpoint(folder: str = DEFAULT_FOLDER) -> str:
     """Build the checkpoint in `folder` (bf16) on first use; returns the folder."""
     import torch
 
-    from app.engine.random_checkpoint import build_random_checkpoint
+    from app.model.checkpoint.random_checkpoint import build_random_checkpoint
 
     if not os.path.exists(os.path.join(folder, "config.json")):
         with open(REFERENCE_CONFIG) as file:

@@ -1,4 +1,4 @@
-"""The next-token choice of a decode step (`app/engine/sampling.py`) by batch size and decoding settings.
+"""The next-token choice of a decode step (`app/model/sampling.py`) by batch size and decoding settings.
 
 Logits are random at the real vocabulary size (248,094); what the choice costs does not depend on the
 model. Greedy, plain sampling (the checkpoint's default: temperature 0.7, no top-k or top-p), top-k with
@@ -29,7 +29,7 @@ def main() -> None:
 
     import torch
 
-    from app.engine.sampling import RowSettings, next_tokens
+    from app.model.sampling import RowSettings, next_tokens
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)

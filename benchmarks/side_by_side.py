@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app import limits  # noqa: E402
 from app.config import AppConfig  # noqa: E402
-from app.engine.manager import ModelManager  # noqa: E402
-from app.engine.transfers import TokensOnTheirWay  # noqa: E402
+from app.engine.core import ModelManager  # noqa: E402
+from app.model.transfers import TokensOnTheirWay  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402

@@ -34,7 +34,7 @@ def main() -> None:
     import torch
 
     from app.config import AppConfig
-    from app.engine.manager import ModelManager
+    from app.engine.core import ModelManager
     from app.engine.settings import GenerationSettings
 
     first = args.model or ensure_real_shape_checkpoint(args.checkpoint)

@@ -9,7 +9,7 @@ switch interval (5 ms by default) once or more. This serves a bare Gradio app in
 another process, at each switch interval asked for, `--at-once` of them at the same time (as a web
 process's users send theirs when their replies end together). Without busy threads it also reports the
 server's CPU per upload. With --fronts N the uploads go through N processes of the app's proxy
-(app.front, as `python app.py --web-processes` serves them), and their CPU per upload is reported too.
+(app.web.proxy, as `python app.py --web-processes` serves them), and their CPU per upload is reported too.
 Medians; runs anywhere:
 
     python benchmarks/upload.py --busy-threads 0,1,4 --switch-intervals 0.005,0.0005 --json upload.json
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--image-format", choices=["png", "jpeg"], default="png")
     parser.add_argument("--at-once", default="1", help="uploads sent at the same time, e.g. 1,8,25 (a web process's "
                                                       "users coming back together)")
-    parser.add_argument("--fronts", type=int, default=0, help="proxy processes (app.front) the uploads go through")
+    parser.add_argument("--fronts", type=int, default=0, help="proxy processes (app.web.proxy) the uploads go through")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -96,7 +96,7 @@ def main() -> None:
     demo.launch(prevent_thread_lock=True, quiet=True, server_port=7898)
     url, fronts = "http://127.0.0.1:7898", None
     if args.fronts:
-        from app.web_processes import Fronts
+        from app.web.processes import Fronts
 
         fronts = Fronts("127.0.0.1", 7897, [url], args.fronts)
         fronts.start()

@@ -2,7 +2,7 @@
 
 A 1344x1344 image is 10 slices of 1,024 patches (16 heads of dimension 72): 7 layers attend within
 slices of 1,024 tokens, the merger within 2x2 windows (2,560 of 4 tokens a slice), and 20 layers within
-slices of 256 tokens. `app/engine/vision_tower.py` makes one call per run of equal slices (split under
+slices of 256 tokens. `app/model/vision/tower.py` makes one call per run of equal slices (split under
 CUDA's grid limit); this times such calls for --images images under each kernel PyTorch offers, and
 checks that each gives the flash kernel's output; "tower" is the call as the tower makes it (SDPA's
 default choice, one call per run of equal segments). Run on a GPU machine:
@@ -49,7 +49,7 @@ def main() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
-    from app.engine.vision_tower import MAX_GRID_ROWS, grouped_varlen_attention
+    from app.model.vision.tower import MAX_GRID_ROWS, grouped_varlen_attention
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "memory-efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -105,7 +105,7 @@ def first_calls(images_per_wave: list[int]) -> dict:
 
     import torch
 
-    from app.engine.fused_vision import _attend_slices
+    from app.model.vision.fused import _attend_slices
 
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "cudnn": torch.backends.cudnn.version(), "rows": []}

@@ -46,7 +46,7 @@ def quantize(model: str, out: str, method: str = "gptq", bits: int = 4, group_si
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.quantization.config import AWQConfig
 
-    from app.engine.loader import resolve_model
+    from app.model.checkpoint.loader import resolve_model
 
     source = resolve_model(model)
     settings = (AWQConfig if method == "awq" else QuantizeConfig)(bits=bits, group_size=group_size)

@@ -39,14 +39,14 @@ def config() -> AppConfig:
 
 @pytest.fixture(scope="session")
 def manager(config):
-    from app.main import load_manager
+    from app.engine.backends import load_manager
 
     return load_manager(config)
 
 
 @pytest.fixture(scope="session")
 def server_url(config, manager):
-    from app.main import launch
+    from app.web.server import launch
 
     demo = launch(config, manager, prevent_thread_lock=True)
     yield demo.local_url

@@ -1,5 +1,5 @@
 """Each Triton kernel of the fused text model and the fused vision tower against its PyTorch version in
-app.engine.text_ops and app.engine.vision_ops, on the CPU. Run by tests/test_fused_text.py with
+app.model.text.ops and app.model.vision.ops, on the CPU. Run by tests/test_fused_text.py with
 TRITON_INTERPRET=1 (Triton's interpreter), which must be set before Triton is imported; on a GPU
 machine it also runs as is on CUDA tensors."""
 
@@ -11,7 +11,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.engine import text_kernels, text_ops, vision_kernels, vision_ops  # noqa: E402
+from app.model.text import kernels as text_kernels
+from app.model.text import ops as text_ops
+from app.model.vision import kernels as vision_kernels
+from app.model.vision import ops as vision_ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu"
 

@@ -254,7 +254,7 @@ def test_metrics_endpoint_speaks_prometheus(server_url, client, red_image):
 
 def test_inline_scheduler_for_zero_gpu_serves_from_the_callers_threads(manager, tmp_path, monkeypatch):
     """On ZeroGPU the GPU exists only inside the request handlers, so they run the loop themselves."""
-    from app.engine.manager import ModelManager
+    from app.engine.core import ModelManager
 
     monkeypatch.setenv("SPACES_ZERO_GPU", "1")
     inline = ModelManager(manager.config)

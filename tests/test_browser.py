@@ -167,7 +167,7 @@ def test_stopping_a_reply_while_it_reasons_leaves_no_spinner(browser, server_url
 
 
 def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager, monkeypatch):
-    from app.engine.manager import ReplyUpdate
+    from app.engine.api import ReplyUpdate
 
     payload = ('<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2">'
                '<iframe src="javascript:window.__pwned = 3"></iframe> and plain words after')

@@ -11,7 +11,7 @@ import torch
 from gradio_client import Client
 
 from app.config import AppConfig
-from app.engine.engine_process import EngineProcess
+from app.engine.client import EngineProcess
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from tests.conftest import free_port, make_image, picture_requests, wait_for
@@ -43,7 +43,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def engine_url(engine):
-    from app.main import launch
+    from app.web.server import launch
 
     demo = launch(engine.config, engine, prevent_thread_lock=True)
     yield demo.local_url
@@ -67,7 +67,7 @@ def test_every_preparing_worker_is_started_and_ready_with_the_preparer(tmp_path)
 
     from app.engine.inputs import load_processor, prepare_inputs
     from app.engine.preparers import ProcessPreparer
-    from app.engine.random_checkpoint import ensure_tiny_checkpoint
+    from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
 
     preparer = ProcessPreparer(ensure_tiny_checkpoint(), False, 2)
     try:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from gradio_client import Client, handle_file
 
-from app.uploads import STAGING_PREFIX, cap_total_size
+from app.web.uploads import STAGING_PREFIX, cap_total_size
 from tests.conftest import ROOT, free_port, make_image, wait_for
 
 LONG = {"max_new_tokens": 300, "min_new_tokens": 300, "do_sample": False}

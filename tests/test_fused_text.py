@@ -1,4 +1,4 @@
-"""The fused decode step (app.engine.fused_text): the same logits and state as transformers' layers,
+"""The fused decode step (app.model.text.fused): the same logits and state as transformers' layers,
 and its Triton kernels the same as their PyTorch versions (run on the CPU by Triton's interpreter)."""
 
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from app.engine.batch_runner import BatchRunner
-from app.engine.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
+from app.model.runner import BatchRunner
+from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,7 +129,8 @@ def test_triton_kernels_equal_their_pytorch_versions():
 
 
 def test_without_runnable_triton_kernels_the_pytorch_operations_run(monkeypatch, caplog):
-    from app.engine import text_kernels, text_ops
+    from app.model.text import kernels as text_kernels
+    from app.model.text import ops as text_ops
 
     def no_compiler(*args):
         raise RuntimeError("Failed to find C compiler")
@@ -145,7 +146,7 @@ def test_without_runnable_triton_kernels_the_pytorch_operations_run(monkeypatch,
 
 
 def test_gpus_older_than_ampere_run_the_pytorch_operations(monkeypatch, caplog):
-    from app.engine import text_ops
+    from app.model.text import ops as text_ops
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
     text_ops.triton_kernels.cache_clear()

@@ -1,6 +1,6 @@
-"""app/engine/gpu_profile.py's account of a GPU timeline (the profile itself needs a GPU), and its answer on the CPU."""
+"""app/model/gpu_profile.py's account of a GPU timeline (the profile itself needs a GPU), and its answer on the CPU."""
 
-from app.engine.gpu_profile import Span, summary
+from app.model.gpu_profile import Span, summary
 
 MS = 1_000_000
 
@@ -28,7 +28,7 @@ def test_busy_time_overlap_gaps_and_kinds_of_a_timeline():
 
 
 def test_long_kernel_names_are_cut_and_the_costliest_come_first():
-    from app.engine.gpu_profile import NAME_CHARS, TOP_NAMES
+    from app.model.gpu_profile import NAME_CHARS, TOP_NAMES
 
     spans = [Span(i * MS, i * MS + (i + 1) * 1000, 7, f"kernel_{i}_" + "<float, 128>" * 50, False) for i in range(20)]
     report = summary(spans)
@@ -41,7 +41,7 @@ def test_long_kernel_names_are_cut_and_the_costliest_come_first():
 def test_the_collectors_pauses_are_timed_while_the_block_runs():
     import gc
 
-    from app.engine.gpu_profile import collector_pauses
+    from app.model.gpu_profile import collector_pauses
 
     with collector_pauses() as pauses:
         gc.collect()

@@ -579,6 +579,29 @@ def test_typed_special_tokens_stay_text(manager, red_image):
         assert control_tokens(forged, f"Sure.{token}") == placed, token
 
 
+def test_typed_special_tokens_never_touch_the_shared_tokenizer_of_other_threads(manager, red_image):
+    """Typed text is tokenized with special tokens split by a tokenizer of its own: a fast tokenizer keeps
+    "split special tokens" as state, and asking the shared one for it let a preparation on another thread
+    split its template's <|image_pad|> into text (the soak test's "Mismatch in `image` token count").
+    Here 8 threads prepare at once, half of them with every special token typed in."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.engine.settings import GenerationSettings
+
+    tokenizer = manager.processor.tokenizer
+    settings = GenerationSettings(max_new_tokens=8)
+    typed = "".join(special_tokens(tokenizer))
+
+    def prepare(index: int) -> list:
+        text = typed if index % 2 else "What is this?"
+        messages = [{"role": "user", "content": [{"type": "image", "path": red_image}, {"type": "text", "text": text}]}]
+        return manager.prepare(messages, settings).image_tokens
+
+    with ThreadPoolExecutor(8) as pool:
+        assert set(map(tuple, pool.map(prepare, range(200)))) == {(640,)}
+    assert tokenizer.backend_tokenizer.encode_special_tokens is False
+
+
 def test_a_forged_turn_through_the_api_is_answered_as_text(client, manager, red_image):
     """/ask with a forged system turn and media placeholders typed in: answered (no "Generation failed"),
     its prompt as long as the same text tokenized with every control token spelled out as text."""

@@ -4,9 +4,10 @@ import pytest
 
 from app.config import AppConfig
 from app.engine.inputs import normalized_pixels
-from app.engine.manager import ModelManager, _TextAssembler
-from app.engine.presets import find_preset
-from app.engine.random_checkpoint import TINY_CONFIG_4_7, build_random_checkpoint
+from app.engine.core import ModelManager
+from app.engine.replies import TextAssembler
+from app.model.checkpoint.presets import find_preset
+from app.model.checkpoint.random_checkpoint import TINY_CONFIG_4_7, build_random_checkpoint
 from tests.conftest import make_image, make_video
 from tests.test_batching import all_at_once, greedy, reply, user
 
@@ -54,7 +55,7 @@ def test_replies_match_transformers_generate(manager_4_7, folder, conversations)
         if "pixel_normalization" in inputs:  # the app's processor leaves images in uint8 for the engine
             inputs["pixel_values"] = normalized_pixels(inputs["pixel_values"], inputs.pop("pixel_normalization"))
         generated = reference.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        expected = _TextAssembler(manager_4_7.processor.tokenizer)
+        expected = TextAssembler(manager_4_7.processor.tokenizer)
         for token in generated[0, inputs["input_ids"].shape[1]:].tolist():
             expected.add(token)
         assert reply(manager_4_7, messages, settings) == expected.text, key
@@ -64,7 +65,7 @@ def test_positions_matter_here(manager_4_7, conversations, monkeypatch):
     """Plain token-count positions give other replies, so the match above is a real check."""
     settings = greedy(16)
     right = reply(manager_4_7, conversations["image"], settings)
-    monkeypatch.setattr("app.engine.manager.canvas_positions", lambda model, tensors, mode: None)
+    monkeypatch.setattr("app.engine.core.canvas_positions", lambda model, tensors, mode: None)
     assert reply(manager_4_7, conversations["image"], settings) != right
 
 

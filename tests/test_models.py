@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from app.engine.loader import ModelSource, ModelUnavailable, load_model_and_processor
-from app.engine.presets import find_preset
+from app.model.checkpoint.loader import ModelSource, ModelUnavailable, load_model_and_processor
+from app.model.checkpoint.presets import find_preset
 
 
 def checkpoint(folder, config: dict) -> ModelSource:

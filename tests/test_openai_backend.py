@@ -11,7 +11,7 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
 from app.config import AppConfig
-from app.engine.openai_engine import OpenAIEngine
+from app.engine.openai_backend import OpenAIEngine
 from tests.conftest import free_port, make_image, make_video
 from tests.test_api import stream
 
@@ -67,7 +67,7 @@ def engine(server, manager):
 
 @pytest.fixture(scope="module")
 def engine_client(engine):
-    from app.main import launch
+    from app.web.server import launch
 
     demo = launch(engine.config, engine, prevent_thread_lock=True)
     yield Client(demo.local_url, verbose=False)

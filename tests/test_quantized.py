@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from gradio_client import Client, handle_file
 
-from app.engine.quantized import complete_quantization_config, load_in_4bit_config
+from app.model.checkpoint.quantized import complete_quantization_config, load_in_4bit_config
 from app.errors import UserError
 from tests.conftest import ROOT, free_port
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from app.engine.sampling import RowSettings, next_tokens
-from app.engine.transfers import TokensOnTheirWay
+from app.model.sampling import RowSettings, next_tokens
+from app.model.transfers import TokensOnTheirWay
 
 GREEDY = RowSettings(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
 END = torch.tensor([3, 7])

@@ -14,7 +14,7 @@ import pytest
 from gradio_client import Client, handle_file
 
 from app.config import AppConfig, parse_config
-from app.engine.loader import ModelSource, ModelUnavailable, load_model_and_processor
+from app.model.checkpoint.loader import ModelSource, ModelUnavailable, load_model_and_processor
 from tests.conftest import ROOT, free_port
 
 METRICS_TOKEN = "scraper-7f3a"
@@ -80,7 +80,7 @@ def test_uploads_are_not_served_to_strangers(protected_url, server_url, red_imag
     assert http_status(protected_url + "gradio_api/file=" + uploaded) == 401
 
 
-# Open without a login: what the login form needs (app.web_guard.OPEN_PATHS) and nothing else. A route
+# Open without a login: what the login form needs (app.web.guard.OPEN_PATHS) and nothing else. A route
 # Gradio adds later is not on this list, so it fails the test below until it is judged.
 OPEN_ROUTES = {("GET", "/"), ("HEAD", "/"), ("POST", "/login"), ("POST", "/login/"), ("GET", "/assets/{path:path}"),
                ("GET", "/static/{path:path}"), ("GET", "/theme.css"), ("GET", "/favicon.ico"), ("GET", "/robots.txt"),
@@ -117,7 +117,7 @@ def log_in(url: str) -> dict:
 @pytest.fixture(scope="module")
 def launched(manager):
     """Start the app in this process with `config` overrides (its routes can then be listed); closed at the end."""
-    from app.main import launch
+    from app.web.server import launch
 
     demos = []
 

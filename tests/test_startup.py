@@ -84,7 +84,7 @@ def test_a_web_server_hands_the_gil_over_often(config, manager):
     from dataclasses import replace
 
     from app import limits
-    from app.main import launch
+    from app.web.server import launch
 
     sys.setswitchinterval(0.005)
     demo = launch(replace(config, port=free_port()), manager, prevent_thread_lock=True, quiet=True)

@@ -6,10 +6,10 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from app import limits
-from app.engine import vision_tower
-from app.engine.batch_runner import BatchRunner
+from app.model.vision import tower as vision_tower
+from app.model.runner import BatchRunner
 from app.engine.inputs import load_processor, normalized_pixels, prepare_inputs
-from app.engine.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
+from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 from app.engine.settings import GenerationSettings
 from tests.conftest import make_image, make_video
 
@@ -86,7 +86,7 @@ def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
 def test_tower_gives_the_models_own_features(config, fused, tmp_path, monkeypatch):
     """Images of three sizes (slices of several sizes side by side) in both downsample modes, and a video:
-    the fused tower (app.engine.fused_vision), and transformers' modules as app.engine.vision_tower tunes
+    the fused tower (app.model.vision.fused), and transformers' modules as app.model.vision.tower tunes
     them (grouped attention, precomputed layout, one-pass merger), against the model as shipped. In float64,
     so that only a difference in the computation shows (in float32 the fused tower's matrix products,
     merged and with the position embeddings as their C input, round differently: up to 1.3e-5 at

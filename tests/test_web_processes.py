@@ -18,10 +18,10 @@ from gradio.server_messages import (EstimationMessage, HeartbeatMessage, Process
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from app import limits
+from app.messages import MSG_WEB_PROCESS_DOWN
 from app.config import parse_config
 from app.engine.settings import GenerationSettings
-from app.front import EventsInProgress, MovedSessions, SessionRouter, routing_key, tag, untag
+from app.web.proxy import EventsInProgress, MovedSessions, SessionRouter, routing_key, tag, untag
 from tests.conftest import ROOT, free_port, make_image, picture_requests, wait_for
 from tests.test_api import FIXED, stream
 from tests import test_browser
@@ -185,8 +185,8 @@ def test_a_web_process_that_dies_says_so_and_others_serve_its_new_sessions_until
         os.kill(old_pid, signal.SIGKILL)
         # Both are told what happened (it was a bare CancelledError), and the engine drops both replies.
         error = error_of(job)
-        assert isinstance(error, AppError) and str(error) == limits.MSG_WEB_PROCESS_DOWN, repr(error)
-        page.get_by_text(limits.MSG_WEB_PROCESS_DOWN).first.wait_for(timeout=30_000)
+        assert isinstance(error, AppError) and str(error) == MSG_WEB_PROCESS_DOWN, repr(error)
+        page.get_by_text(MSG_WEB_PROCESS_DOWN).first.wait_for(timeout=30_000)
         page.close()
         assert wait_for(lambda: app.metric("minicpmv_batch_size") == 0, 20)
         assert app.metric('minicpmv_requests_total{outcome="stopped"}') == stopped_before + 2
@@ -287,7 +287,7 @@ def test_a_broken_event_stream_ends_its_events_in_progress_with_a_clear_error():
     passed = b"".join(events.whole_messages(relayed[start:start + 7]) for start in range(0, len(relayed), 7))
     assert passed == relayed and events.whole_messages(unfinished) == b""  # whole messages only
     messages = [json.loads(message[len("data: "):]) for message in events.farewell().split(b"\n\n")[:-1]]
-    error = {"error": limits.MSG_WEB_PROCESS_DOWN, "duration": None, "visible": True, "title": "Error"}
+    error = {"error": MSG_WEB_PROCESS_DOWN, "duration": None, "visible": True, "title": "Error"}
     ended = {"msg": "process_completed", "event_id": "a", "output": error, "success": False, "title": "Error"}
     assert messages == [ended, {"msg": "close_stream", "event_id": None}]  # "b" completed, "c" never started
 
@@ -311,7 +311,7 @@ def test_web_processes_refuse_what_lives_in_one_process(flag, capsys):
 
 
 def test_front_processes_follow_the_web_processes_unless_set(capsys):
-    from app.web_processes import front_processes
+    from app.web.processes import front_processes
 
     assert [front_processes(parse_config(["--web-processes", str(count)])) for count in (2, 3, 4, 8)] == [1, 1, 2, 3]
     assert front_processes(parse_config(["--web-processes", "8", "--front-processes", "5"])) == 5

@@ -5,6 +5,16 @@ import functools
 from dataclasses import dataclass, field
 
 from app import limits
+from app.messages import (
+    MSG_CONTEXT_TOO_LONG,
+    MSG_CONTEXT_TRIMMED,
+    MSG_EMPTY_REQUEST,
+    MSG_MEDIA_TRIMMED,
+    MSG_NOT_TEXT,
+    MSG_ONE_VIDEO,
+    MSG_PROMPT_TOO_LONG,
+    MSG_TOO_MANY_IMAGES,
+)
 from app.chat import THINK_OPEN
 from app.engine.prompt_text import TextPartsAsText, with_placeholders
 from app.engine.settings import GenerationSettings
@@ -52,11 +62,11 @@ def _check_text(messages: list[dict]) -> None:
             if part["type"] != "text":
                 continue
             if len(part["text"]) > limits.MAX_PROMPT_CHARS:
-                raise UserError(limits.MSG_PROMPT_TOO_LONG.format(count=len(part["text"]), limit=limits.MAX_PROMPT_CHARS))
+                raise UserError(MSG_PROMPT_TOO_LONG.format(count=len(part["text"]), limit=limits.MAX_PROMPT_CHARS))
             try:
                 part["text"].encode("utf-8")
             except UnicodeEncodeError as error:  # a lone surrogate, which JSON can carry and no tokenizer takes
-                raise UserError(limits.MSG_NOT_TEXT.format(position=error.start + 1)) from None
+                raise UserError(MSG_NOT_TEXT.format(position=error.start + 1)) from None
 
 
 def load_processor(path: str, trust_remote_code: bool):
@@ -73,7 +83,7 @@ def load_processor(path: str, trust_remote_code: bool):
 def _leave_images_unnormalized(processor) -> None:
     """Images come out of the app's processor as the uint8 pixels of their resized slices, their
     tensors holding the normalization the model expects (`pixel_normalization`: mean and std on the
-    0-255 scale), and the engine normalizes them on its device (app.engine.batch_runner). On a CPU
+    0-255 scale), and the engine normalizes them on its device (app.model.runner). On a CPU
     core, normalizing float32 pixels, cutting and joining them and casting them to bf16 took two
     thirds of the processor's time for a 1344x1344 image; uint8 pixels are also half of bf16's bytes
     on their way to the engine and the GPU. For MiniCPM-V 4.6's image processor (4.7 uses it too)
@@ -186,7 +196,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     MB for one 1344x1344 image). The app's processor leaves images in uint8 (_leave_images_unnormalized).
     """
     if not messages or messages[-1]["role"] != "user":
-        raise UserError(limits.MSG_EMPTY_REQUEST)
+        raise UserError(MSG_EMPTY_REQUEST)
     _check_text(messages)
     images: dict[str, object] = {}  # path -> decoded pixels, kept across trimming attempts
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
@@ -196,15 +206,15 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
         needed = prepared.prompt_tokens + settings.max_new_tokens
         if needed <= max_context_tokens:
             if start > media_start:
-                prepared.notices.insert(0, limits.MSG_CONTEXT_TRIMMED.format(count=start, limit=max_context_tokens))
+                prepared.notices.insert(0, MSG_CONTEXT_TRIMMED.format(count=start, limit=max_context_tokens))
             elif start:
-                prepared.notices.insert(0, limits.MSG_MEDIA_TRIMMED.format(count=start, limit=limits.MAX_IMAGES_PER_REQUEST))
+                prepared.notices.insert(0, MSG_MEDIA_TRIMMED.format(count=start, limit=limits.MAX_IMAGES_PER_REQUEST))
             for key in PIXEL_KEYS if pixel_dtype is not None else ():
                 pixels = prepared.tensors.get(key)
                 if pixels is not None and pixels.is_floating_point():
                     prepared.tensors[key] = pixels.to(pixel_dtype)
             return prepared
-    raise UserError(limits.MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
+    raise UserError(MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
 
 
 def _media_fit(messages: list[dict]) -> bool:
@@ -218,8 +228,8 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     video_paths = _media_paths(messages, "video")
     if not _media_fit(messages):
         if len(image_paths) > limits.MAX_IMAGES_PER_REQUEST:
-            raise UserError(limits.MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
-        raise UserError(limits.MSG_ONE_VIDEO)
+            raise UserError(MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
+        raise UserError(MSG_ONE_VIDEO)
 
     for path in image_paths:
         if path not in images:

@@ -5,15 +5,15 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
 1. admit waiting requests, first come first served, while slots are free: a wave of 1, 2, 4, 8...
    requests holding at most limits.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so the GPU
    kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
-   of its own, so that the running replies' decode steps can go on meanwhile: see app.engine.batch_runner);
+   of its own, so that the running replies' decode steps can go on meanwhile: see app.model.runner);
 2. once a wave's media are encoded, prefill its requests together into their slots
-   (app.engine.batch_cache), choose their first tokens, and admit the next wave;
+   (app.model.batch_cache), choose their first tokens, and admit the next wave;
 3. launch one decode step shared by every running request, then hand each its token from the step
    before, which the host reads while this one runs. The next step's input is the last one's output,
    already on the GPU, so the GPU need not wait for the host's bookkeeping between steps: on an H200 a
    lone reply's step takes 1.22 ms in the scheduler (1.45-1.60 before) against 1.16-1.17 for the captured
    step alone (benchmarks/RESULTS.md, "Evening run (2026-12-01, 18:28 UTC)"). Nothing between two launches
-   may wait for the GPU (app.engine.transfers). A request that ended at the step handed out is in the step running and gets
+   may wait for the GPU (app.model.transfers). A request that ended at the step handed out is in the step running and gets
    no more tokens from it; before anyone joins or leaves, the step in flight is handed out. So a request
    stopped by its caller is in at most two more steps, where it was in one.
 
@@ -24,7 +24,7 @@ time: the vision tower fills the GPU by itself from a few images on.
 
 Each request talks to its caller through its own `emit(kind, value)`: ("place", requests ahead),
 ("tokens", [ids]), ("end", timing) or ("error", exception). The caller turns tokens into text on its own
-thread, or in another process (app.engine.engine_process).
+thread, or in another process (app.engine.process).
 """
 
 import functools
@@ -36,12 +36,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from app import limits
-from app.engine.batch_runner import MediaEncoding, padded_length
+from app.messages import MSG_BUSY, MSG_SAMPLING_FAILED
+from app.model.streams import MediaEncoding
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
-from app.engine.sampling import RowSettings, next_tokens, usable_as_input
+from app.model.sampling import RowSettings, next_tokens, usable_as_input
+from app.engine.api import ReplyEvent
 from app.engine.settings import GenerationSettings
-from app.engine.transfers import TokensOnTheirWay, on_device
+from app.engine.waves import wave_size
+from app.model.transfers import TokensOnTheirWay, on_device
 from app.errors import Busy, UserError
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ class Request:
     version: int  # the model load the inputs were prepared for
     prepare_again: Callable[[], PreparedInputs]  # for a request that waited through a model switch
     requested_at: float
-    emit: Callable[[str, object], None]  # hands the caller an event: see app.engine.manager.follow_reply
+    emit: Callable[[str, object], None]  # hands the caller an event: see app.engine.core.follow_reply
     cancelled: threading.Event = field(default_factory=threading.Event)
     started_at: float | None = None
     first_token_at: float | None = None
@@ -152,7 +155,7 @@ class Scheduler:
         free_slots = 0 if self._paused else max(0, self.max_batch - len(self._running))
         waiting = self.waiting
         if waiting >= self.max_waiting + free_slots:
-            raise Busy(limits.MSG_BUSY.format(waiting=waiting))
+            raise Busy(MSG_BUSY.format(waiting=waiting))
 
     # The loop ------------------------------------------------------------------------------------
 
@@ -205,28 +208,22 @@ class Scheduler:
         return bool(self._waiting) and not self._paused and len(self._running) < self.max_batch
 
     def _next_admissions(self, wait: bool) -> list[Request]:
+        """The next wave (app.engine.waves.wave_size), taken from the front of the line; the cancelled leave
+        the line, and those still waiting hear their new places."""
         with self._changed:
             if wait:
                 self._changed.wait_for(lambda: self._running or self._can_admit())
-            admitted, longest = [], 0
-            while self._can_admit() and len(self._running) + len(admitted) < self.max_batch:
-                request = self._waiting[0]
-                if request.cancelled.is_set():
-                    self._waiting.popleft()
-                    continue
-                wave_longest = max(longest, request.prepared.prompt_tokens)
-                if admitted and (len(admitted) + 1) * padded_length(wave_longest) > limits.PREFILL_TOKENS_PER_STEP:
-                    break
-                admitted.append(self._waiting.popleft())
-                longest = wave_longest
-            # A wave of 2^k requests (the rest go back to the front of the line): see PREFILL_LENGTH_MULTIPLE.
-            wave = 1 << (len(admitted).bit_length() - 1) if admitted else 0
-            self._waiting.extendleft(reversed(admitted[wave:]))
-            admitted = admitted[:wave]
+            if any(request.cancelled.is_set() for request in self._waiting):
+                self._waiting = deque(request for request in self._waiting if not request.cancelled.is_set())
+            count = 0
+            if self._can_admit():
+                count = wave_size((request.prepared.prompt_tokens for request in self._waiting),
+                                  self.max_batch - len(self._running), limits.PREFILL_TOKENS_PER_STEP)
+            admitted = [self._waiting.popleft() for _ in range(count)]
             for place, request in enumerate(self._waiting):
                 if request.place != place:
                     request.place = place
-                    request.emit("place", place)
+                    request.emit(ReplyEvent.PLACE, place)
             return admitted
 
     def _encode(self, admitted: list[Request]) -> None:
@@ -239,7 +236,7 @@ class Scheduler:
                     request.prepared = request.prepare_again()
                     request.version = self.version
                 except Exception as error:
-                    request.emit("error", error)
+                    request.emit(ReplyEvent.ERROR, error)
         admitted = [request for request in admitted if request.version == self.version]
         if not admitted:
             return
@@ -336,9 +333,9 @@ class Scheduler:
 
     def _take(self, request: Request, token: int, now: float, interval: float) -> None:
         """Record `token` for its request, which is done if it ends here (it leaves after the step)."""
-        if token < 0:  # it could not be sampled (app.engine.sampling): it fails alone, the others go on
+        if token < 0:  # it could not be sampled (app.model.sampling): it fails alone, the others go on
             request.done = True
-            request.emit("error", UserError(limits.MSG_SAMPLING_FAILED))
+            request.emit(ReplyEvent.ERROR, UserError(MSG_SAMPLING_FAILED))
             return
         ended = token in self._end_token_set
         if not ended:
@@ -361,10 +358,10 @@ class Scheduler:
         """
         if len(request.generated) > request.delivered and (
                 ended or not request.delivered or now - request.delivered_at >= interval):
-            request.emit("tokens", request.generated[request.delivered:])
+            request.emit(ReplyEvent.TOKENS, request.generated[request.delivered:])
             request.delivered, request.delivered_at = len(request.generated), now
         if ended:
-            request.emit("end", {"new_tokens": len(request.generated), "started_at": request.started_at,
+            request.emit(ReplyEvent.END, {"new_tokens": len(request.generated), "started_at": request.started_at,
                                  "first_token_at": request.first_token_at})
 
     def _leave(self, leaves: Callable[[Request], bool]) -> None:
@@ -390,7 +387,7 @@ def fail(requests: list[Request], error: Exception) -> None:
     """Give `error` to each of `requests`, after releasing what an out-of-memory left cached."""
     release_gpu_memory(error)
     for request in requests:
-        request.emit("error", error)
+        request.emit(ReplyEvent.ERROR, error)
 
 
 def release_gpu_memory(error: Exception) -> None:

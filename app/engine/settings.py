@@ -3,6 +3,7 @@
 from dataclasses import asdict, dataclass, fields, replace
 
 from app import limits
+from app.messages import MSG_BAD_SETTING, MSG_UNKNOWN_SETTING
 from app.errors import UserError
 
 
@@ -29,7 +30,7 @@ class GenerationSettings:
         values = {}
         for key, value in (overrides or {}).items():
             if key not in known:
-                raise UserError(limits.MSG_UNKNOWN_SETTING.format(key=key, known=", ".join(sorted(known))))
+                raise UserError(MSG_UNKNOWN_SETTING.format(key=key, known=", ".join(sorted(known))))
             values[key] = _coerce(key, value, known[key])
         updated = replace(self, **values)
         updated.check()
@@ -40,17 +41,17 @@ class GenerationSettings:
         _in_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         _in_range("temperature", self.temperature, 0.0, 5.0)
         if self.do_sample and self.temperature < limits.MIN_SAMPLING_TEMPERATURE:
-            raise UserError(limits.MSG_BAD_SETTING.format(
+            raise UserError(MSG_BAD_SETTING.format(
                 key="temperature", problem=f"must be at least {limits.MIN_SAMPLING_TEMPERATURE} when sampling "
                                            f"(for greedy decoding set do_sample to false), got {self.temperature}"))
         _in_range("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0:
-            raise UserError(limits.MSG_BAD_SETTING.format(key="top_p", problem="must be above 0"))
+            raise UserError(MSG_BAD_SETTING.format(key="top_p", problem="must be above 0"))
         _in_range("top_k", self.top_k, 0, 1000)
         _in_range("repetition_penalty", self.repetition_penalty, 0.5, 2.0)
         _in_range("max_slice_nums", self.max_slice_nums, 1, limits.MAX_SLICE_NUMS)
         if self.downsample_mode not in limits.DOWNSAMPLE_MODES:
-            raise UserError(limits.MSG_BAD_SETTING.format(
+            raise UserError(MSG_BAD_SETTING.format(
                 key="downsample_mode", problem=f"must be one of {', '.join(limits.DOWNSAMPLE_MODES)}"))
         _in_range("visual_token_budget", self.visual_token_budget, 64, limits.MAX_VISUAL_TOKEN_BUDGET)
         _in_range("video_fps", self.video_fps, 0.01, limits.MAX_VIDEO_FPS)
@@ -86,9 +87,9 @@ def _coerce(key: str, value, kind):
     except (TypeError, ValueError, OverflowError):
         expected = {"bool": "true or false", "int": "a whole number", "float": "a number"}.get(
             getattr(kind, "__name__", kind), "text")
-        raise UserError(limits.MSG_BAD_SETTING.format(key=key, problem=f"expected {expected}, got {value!r}")) from None
+        raise UserError(MSG_BAD_SETTING.format(key=key, problem=f"expected {expected}, got {value!r}")) from None
 
 
 def _in_range(key: str, value, low, high) -> None:
     if not low <= value <= high:
-        raise UserError(limits.MSG_BAD_SETTING.format(key=key, problem=f"must be between {low} and {high}, got {value}"))
+        raise UserError(MSG_BAD_SETTING.format(key=key, problem=f"must be between {low} and {high}, got {value}"))

@@ -6,7 +6,7 @@ match what the processor will emit without touching a pixel.
 
 from dataclasses import dataclass
 
-from app import limits
+from app.messages import MSG_OVER_VISUAL_BUDGET
 from app.errors import UserError
 
 
@@ -65,4 +65,4 @@ def plan_slices(image_processor, sizes: list[tuple[int, int]], max_slice_nums: i
         counts = tuple(image_token_count(image_processor, h, w, slice_nums, downsample_mode) for h, w in sizes)
         if sum(counts) <= budget:
             return SlicePlan(slice_nums, max_slice_nums, counts, budget)
-    raise UserError(limits.MSG_OVER_VISUAL_BUDGET.format(count=len(sizes), needed=sum(counts), budget=budget))
+    raise UserError(MSG_OVER_VISUAL_BUDGET.format(count=len(sizes), needed=sum(counts), budget=budget))

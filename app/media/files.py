@@ -4,6 +4,7 @@ that an upload is a local file at all."""
 import os
 
 from app import limits
+from app.messages import MSG_NOT_AN_UPLOAD, MSG_UNSUPPORTED_FILE
 from app.errors import UserError
 
 
@@ -14,7 +15,7 @@ def media_kind(path: str) -> str:
         return "image"
     if extension in limits.VIDEO_EXTENSIONS:
         return "video"
-    raise UserError(limits.MSG_UNSUPPORTED_FILE.format(
+    raise UserError(MSG_UNSUPPORTED_FILE.format(
         name=os.path.basename(path),
         images=", ".join(limits.IMAGE_EXTENSIONS),
         videos=", ".join(limits.VIDEO_EXTENSIONS),
@@ -27,7 +28,7 @@ def check_local_file(path) -> None:
     already checked that the file is one of its uploads (app.ui.file_inputs); this holds in the engine
     whoever calls it."""
     if not (isinstance(path, str) and "\0" not in path and os.path.isabs(path) and os.path.isfile(path)):
-        raise UserError(limits.MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
+        raise UserError(MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
 
 
 def shown_name(path) -> str:

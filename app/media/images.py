@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from PIL import Image, ImageOps
 
 from app import limits
+from app.messages import MSG_IMAGE_TOO_LARGE, MSG_IMAGE_TOO_THIN, MSG_UNREADABLE_IMAGE
 from app.errors import UserError
 from app.media.files import check_local_file
 
@@ -42,7 +43,7 @@ def load_image_pixels(path: str):
         try:
             pixels = decode(path)
         except RuntimeError as error:  # corrupt or truncated: what PIL reports as OSError
-            raise UserError(limits.MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path))) from error
+            raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path))) from error
         if pixels.dtype.itemsize == 1:
             return pixels
     from torchvision.transforms.functional import pil_to_tensor
@@ -53,7 +54,7 @@ def load_image_pixels(path: str):
 def check_shape(name: str, width: int, height: int) -> None:
     """Refuse an image (or a video's frames) whose long side is more than MAX_IMAGE_ASPECT_RATIO times its short one."""
     if max(width, height) > limits.MAX_IMAGE_ASPECT_RATIO * max(1, min(width, height)):
-        raise UserError(limits.MSG_IMAGE_TOO_THIN.format(name=name, width=width, height=height,
+        raise UserError(MSG_IMAGE_TOO_THIN.format(name=name, width=width, height=height,
                                                          limit=limits.MAX_IMAGE_ASPECT_RATIO))
 
 
@@ -67,15 +68,15 @@ def _opened(path: str):
             # Image.open reads only the header: refuse huge images before their pixels are decoded.
             pixels = image.width * image.height
             if pixels > limits.MAX_IMAGE_PIXELS:
-                raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS))
+                raise UserError(MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS))
             check_shape(name, image.width, image.height)
             yield image
     except UserError:
         raise
     except Image.DecompressionBombError as error:  # PIL's own guard fires inside open() for the largest ones
-        raise UserError(limits.MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS)) from error
+        raise UserError(MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS)) from error
     except (OSError, SyntaxError, ValueError) as error:
-        raise UserError(limits.MSG_UNREADABLE_IMAGE.format(name=name)) from error
+        raise UserError(MSG_UNREADABLE_IMAGE.format(name=name)) from error
 
 
 @functools.cache

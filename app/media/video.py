@@ -8,6 +8,14 @@ import cv2
 import numpy as np
 
 from app import limits
+from app.messages import (
+    MSG_EMPTY_VIDEO,
+    MSG_UNREADABLE_VIDEO,
+    MSG_VIDEO_FRAMES_MISSING,
+    MSG_VIDEO_FRAME_TOO_LARGE,
+    MSG_VIDEO_SAMPLED_TOO_LARGE,
+    MSG_VIDEO_TOO_LONG,
+)
 from app.errors import UserError
 from app.media.files import check_local_file
 from app.media.images import check_shape
@@ -54,10 +62,10 @@ def _check_frame_size(name: str, width: int, height: int, frames: int = 1) -> No
     """Refuse frames over the image pixel limit, or `frames` of them over the sampled-pixel limit. Run on the
     header's size before any frame is decoded, and on each decoded frame, since a container may lie."""
     if width * height > limits.MAX_IMAGE_PIXELS:
-        raise UserError(limits.MSG_VIDEO_FRAME_TOO_LARGE.format(name=name, width=width, height=height,
+        raise UserError(MSG_VIDEO_FRAME_TOO_LARGE.format(name=name, width=width, height=height,
                                                                 limit=limits.MAX_IMAGE_PIXELS))
     if frames * width * height > limits.MAX_VIDEO_SAMPLED_PIXELS:
-        raise UserError(limits.MSG_VIDEO_SAMPLED_TOO_LARGE.format(name=name, frames=frames, width=width, height=height,
+        raise UserError(MSG_VIDEO_SAMPLED_TOO_LARGE.format(name=name, frames=frames, width=width, height=height,
                                                                   limit=limits.MAX_VIDEO_SAMPLED_PIXELS))
 
 
@@ -100,18 +108,18 @@ def probe_video(path: str) -> tuple[int, float]:
 def _probe(capture, name: str) -> tuple[int, float, int, int]:
     """(frame count, frames per second, width, height) from the container header."""
     if not capture.isOpened():
-        raise UserError(limits.MSG_UNREADABLE_VIDEO.format(name=name))
+        raise UserError(MSG_UNREADABLE_VIDEO.format(name=name))
     width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
     _check_frame_size(name, width, height)
     check_shape(name, width, height)
     total_frames = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
     native_fps = float(capture.get(cv2.CAP_PROP_FPS))
     if total_frames <= 0:
-        raise UserError(limits.MSG_EMPTY_VIDEO.format(name=name))
+        raise UserError(MSG_EMPTY_VIDEO.format(name=name))
     if not native_fps > 0:
-        raise UserError(limits.MSG_UNREADABLE_VIDEO.format(name=name))
+        raise UserError(MSG_UNREADABLE_VIDEO.format(name=name))
     if total_frames / native_fps > limits.MAX_VIDEO_SECONDS:
-        raise UserError(limits.MSG_VIDEO_TOO_LONG.format(name=name, seconds=total_frames / native_fps,
+        raise UserError(MSG_VIDEO_TOO_LONG.format(name=name, seconds=total_frames / native_fps,
                                                          limit=limits.MAX_VIDEO_SECONDS))
     return total_frames, native_fps, width, height
 
@@ -126,7 +134,7 @@ def _count_frames(path: str, name: str, native_fps: float) -> tuple[int, float]:
             count += 1
             last_s = max(last_s, capture.get(cv2.CAP_PROP_POS_MSEC) / 1000)
     if not count:
-        raise UserError(limits.MSG_EMPTY_VIDEO.format(name=name))
+        raise UserError(MSG_EMPTY_VIDEO.format(name=name))
     # A variable frame rate's header gives its highest rate, and some files carry no timestamps: the longer
     # of the two durations.
     return count, count / max(last_s + 1 / native_fps, count / native_fps)
@@ -152,9 +160,9 @@ def sample_video(path: str, sample_fps: float = limits.DEFAULT_VIDEO_FPS,
         with _opened(path) as capture:
             decoded = _checked(_read_sequentially(capture, wanted), name, len(wanted))
         if len(decoded) < planned:
-            notices = (limits.MSG_VIDEO_FRAMES_MISSING.format(read=len(decoded), planned=planned, name=name),)
+            notices = (MSG_VIDEO_FRAMES_MISSING.format(read=len(decoded), planned=planned, name=name),)
     if not decoded:
-        raise UserError(limits.MSG_EMPTY_VIDEO.format(name=name))
+        raise UserError(MSG_EMPTY_VIDEO.format(name=name))
     indices = sorted(decoded)
     frames = np.empty((len(indices), *decoded[indices[0]].shape), np.uint8)
     for frame, index in zip(frames, indices):  # in place, each decoded frame freed as it goes: no third copy

@@ -11,7 +11,7 @@ import os
 
 import gradio as gr
 
-from app import limits
+from app.messages import MSG_NOT_AN_UPLOAD
 from app.media.files import shown_name
 from app.ui.refusals import refusal
 
@@ -22,7 +22,7 @@ def uploaded_files_only(inputs, upload_folder: str) -> None:
     folder = os.path.realpath(upload_folder)
     for path in _file_paths(inputs):
         if not (isinstance(path, str) and _inside(path, folder)):
-            raise refusal(limits.MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
+            raise refusal(MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
 
 
 def _file_paths(value):

@@ -11,6 +11,14 @@ from contextlib import closing
 import gradio as gr
 
 from app import limits
+from app.messages import (
+    MSG_EMPTY_REQUEST,
+    MSG_MULTI_IMAGE_NEEDS_IMAGES,
+    MSG_SETTINGS_NOT_OBJECT,
+    MSG_SWITCH_OFF,
+    MSG_VIDEO_NEEDS_VIDEO,
+    MSG_WAITING,
+)
 from app.chat import history_to_messages, reply_for_display, reply_text, strip_reasoning, user_content
 from app.engine.settings import parse_flag
 from app.errors import UserError
@@ -96,7 +104,7 @@ def load_panel(snapshot: dict) -> str:
 
 def waiting_message(ahead: int) -> dict:
     """Shown in place of the reply while the request waits in line; never part of the conversation."""
-    text = limits.MSG_WAITING.format(ahead=ahead)
+    text = MSG_WAITING.format(ahead=ahead)
     return {"role": "assistant", "content": "", "metadata": {"title": text, "status": "pending"}}
 
 
@@ -180,7 +188,7 @@ class Handlers:
         if camera_image:
             paths.append(camera_image)
         if not text.strip() and not paths:
-            raise refusal(limits.MSG_EMPTY_REQUEST)
+            raise refusal(MSG_EMPTY_REQUEST)
         try:
             for path in paths:
                 _check_upload(path)
@@ -252,7 +260,7 @@ class Handlers:
         """The first question carries every gallery image, in gallery order; follow-ups are text only."""
         paths = [_path(item) for item in gallery or []]
         if not paths:
-            raise refusal(limits.MSG_MULTI_IMAGE_NEEDS_IMAGES)
+            raise refusal(MSG_MULTI_IMAGE_NEEDS_IMAGES)
         return self._add_question(question, paths, history)
 
     # Video tab --------------------------------------------------------------------------------------
@@ -271,12 +279,12 @@ class Handlers:
 
     def add_video_question(self, question: str, video: str | None, history: list):
         if not video:
-            raise refusal(limits.MSG_VIDEO_NEEDS_VIDEO)
+            raise refusal(MSG_VIDEO_NEEDS_VIDEO)
         return self._add_question(question, [video], history)
 
     def _add_question(self, question: str, paths: list[str], history: list):
         if not (question or "").strip():
-            raise refusal(limits.MSG_EMPTY_REQUEST)
+            raise refusal(MSG_EMPTY_REQUEST)
         history = list(history or [])
         if not any(entry["role"] == "user" for entry in history):
             try:
@@ -296,7 +304,7 @@ class Handlers:
     def switch_model(self, model: str, progress=gr.Progress()):
         """Load another checkpoint for everyone (only wired with --allow-model-switch)."""
         if not self.manager.config.allow_model_switch:
-            raise refusal(limits.MSG_SWITCH_OFF)
+            raise refusal(MSG_SWITCH_OFF)
         model = (model or "").strip()
         progress(0.1, desc=f"Waiting for replies in progress, then loading {model}…")
         try:
@@ -313,7 +321,7 @@ class Handlers:
         """/ask: stream (reply_text, stats). settings["follow_up"] = true continues this client's last
         conversation; `stop` ends the reply at once."""
         if settings is not None and not isinstance(settings, dict):
-            raise refusal(limits.MSG_SETTINGS_NOT_OBJECT)
+            raise refusal(MSG_SETTINGS_NOT_OBJECT)
         started_at = time.time()
         overrides = dict(settings or {})
         text = text or ""
@@ -322,7 +330,7 @@ class Handlers:
             follow_up = parse_flag("follow_up", overrides.pop("follow_up", False))
             generation_settings = self.settings_from(overrides)
             if not text.strip() and not paths:
-                raise UserError(limits.MSG_EMPTY_REQUEST)
+                raise UserError(MSG_EMPTY_REQUEST)
             messages = list(conversation or []) if follow_up else []
             messages.append({"role": "user", "content": user_content(text, paths)})
             reply = ""

@@ -1,13 +1,15 @@
 """The Blocks layout: components and event wiring only; the work is done by app.ui.handlers."""
 
 import os
+from types import SimpleNamespace
 
 import gradio as gr
 
 from app import limits
+from app.messages import MSG_RANDOM_WEIGHTS
 from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import handler_slots
-from app.engine.presets import PRESETS
+from app.model.checkpoint.presets import PRESETS
 from app.ui.cancellable import cancellable
 from app.ui.file_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, model_header
@@ -109,132 +111,172 @@ def _stop_cancels(stop_target, answer, chatbot) -> None:
 
 
 def build_demo(manager) -> gr.Blocks:
+    """The whole page: the header and side panels, one builder per tab, then each tab's events."""
     handlers = Handlers(manager)
     defaults = manager.default_settings()
     # Every generating request reaches the engine at once (its batch and wait line, and far more beyond:
     # handler_slots), so that the engine's line is the only one: it orders them, reports their places,
     # and answers "busy" at once past its end.
     concurrency = handler_slots(manager.config)
-    info = manager.info()
 
     with UploadsOnlyBlocks(title="MiniCPM-V demo") as demo:
-        header = gr.Markdown(model_header(info), elem_id="model-header")
-        if info.random_weights:
-            gr.Markdown(limits.MSG_RANDOM_WEIGHTS, elem_id="random-weights")
-        sidebar = _settings_sidebar(defaults)
-        with gr.Accordion("Server load", open=False) as load_accordion:
-            load = gr.Markdown(handlers.server_load(), elem_id="server-load")
-        # Refreshed only while someone has the panel open: hundreds of idle tabs should not poll.
-        load_timer = gr.Timer(2.0, active=False)
-        load_timer.tick(handlers.server_load, None, [load], api_visibility="private", show_progress="hidden",
-                        queue=False)
-        load_accordion.expand(lambda: gr.Timer(active=True), None, [load_timer], api_visibility="private", queue=False)
-        load_accordion.collapse(lambda: gr.Timer(active=False), None, [load_timer], api_visibility="private", queue=False)
-        if manager.config.allow_model_switch:
-            with gr.Accordion("Model", open=False):
-                model_choice = gr.Dropdown(
-                    [(preset.label, preset.model) for preset in PRESETS], value=info.name, allow_custom_value=True,
-                    label="Checkpoint", info="A preset, any Hub id or a local folder. Changes the model for everyone.")
-                load_model = gr.Button("Load this model")
-            # One switch at a time, in a group of its own: a concurrency group's limit is the lowest any of
-            # its events asks for (gradio.queueing.Queue.create_event_queue_for_fn), so in MODEL_EVENTS a
-            # switch's 1 held every reply after it to one at a time. Replies wait for a switch in the engine.
-            load_model.click(handlers.switch_model, [model_choice], [header], concurrency_id="model-switch",
-                             concurrency_limit=1, api_visibility="private")
-
+        header, sidebar = _header_and_panels(manager, handlers, defaults)
         with gr.Tabs():
-            with gr.Tab("Chat", id="chat"):
-                chat = _chatbot("Chat", "Ask anything, or attach photos (upload, paste, or the camera below).", "chat")
-                chat_box = gr.MultimodalTextbox(
-                    file_count="multiple", file_types=list(limits.IMAGE_EXTENSIONS), sources=["upload"],
-                    placeholder="Message MiniCPM-V… (attach or paste images)", stop_btn=True, autofocus=True,
-                    show_label=False, elem_id="chat-input",
-                )
-                with gr.Accordion("Camera", open=False):
-                    camera = gr.Image(sources=["webcam", "clipboard"], type="filepath", label="Photo for the next message")
-                gr.Examples(
-                    examples=[[{"text": "What is in this picture?", "files": [os.path.join(EXAMPLES, "shapes.jpg")]}],
-                              [{"text": "Read the text in this image.", "files": [os.path.join(EXAMPLES, "sign.jpg")]}]],
-                    inputs=[chat_box], label="Examples",
-                )
-
-            with gr.Tab("Multi-image", id="multi"):
-                gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
-                                     columns=4, height=260, label="Images, in the order the model sees them")
-                selected = gr.State(None)
-                with gr.Row():
-                    earlier = gr.Button("◀ Move earlier", size="sm")
-                    later = gr.Button("Move later ▶", size="sm")
-                    remove = gr.Button("✕ Remove", size="sm")
-                costs = gr.Markdown(handlers.image_costs(None))
-                multi_chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",
-                                      "multi-chat")
-                multi_box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True, stop_btn=True,
-                                       show_label=False, elem_id="multi-input")
-                gr.Examples(
-                    examples=[[[os.path.join(EXAMPLES, "shapes.jpg"), os.path.join(EXAMPLES, "shapes-moved.jpg")],
-                               "What changed between the two images?"]],
-                    inputs=[gallery, multi_box], label="Examples",
-                )
-
-            with gr.Tab("Video", id="video"):
-                video = gr.Video(sources=["upload"], label="Video", height=320)
-                video_settings = _video_controls(defaults)
-                video_info = gr.Markdown(handlers.video_summary(None, defaults.video_fps, defaults.video_max_frames))
-                video_chat = _chatbot("Conversation about the video", "Ask what happens in the video.", "video-chat")
-                video_box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True, stop_btn=True,
-                                       show_label=False, elem_id="video-input")
-                gr.Examples(examples=[[os.path.join(EXAMPLES, "ball.webm"), "Describe what happens in this video."]],
-                            inputs=[video, video_box], label="Examples")
-
-        with gr.Row(visible=False):
-            api_text = gr.Textbox(label="text")
-            api_files = gr.File(file_count="multiple", type="filepath", label="files")
-            api_settings = gr.JSON(label="settings")
-            api_reply = gr.Textbox(label="reply_text")
-            api_stats = gr.JSON(label="stats")
-            api_button = gr.Button()
-        api_conversation = gr.State([])
-
-        settings = [{**sidebar, **video_settings}[key] for key in SETTING_KEYS]
-
-        # Chat tab.
-        _wire_question(demo, chat_box, handlers.add_chat_message, [chat_box, camera, chat], [chat, chat_box, camera],
-                       handlers.respond, settings, concurrency)
-        retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
-        _wire_answer(demo, retried, handlers.respond, chat, settings, chat_box, concurrency)
-        chat.undo(handlers.undo, [chat], [chat, chat_box], api_visibility="undocumented")
-        chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
-
-        # Multi-image tab: a changed set of images starts a new conversation.
-        cost_inputs = [gallery, *settings]
-        gallery.change(handlers.image_costs, cost_inputs, [costs], api_visibility="undocumented")
-        gallery.upload(lambda: [], None, [multi_chat], api_visibility="undocumented")
-        gallery.select(Handlers.selected_index, None, [selected], api_visibility="undocumented")
-        for button, offset in ((earlier, -1), (later, 1)):
-            button.click(lambda g, i, o=offset: Handlers.move_image(g, i, o), [gallery, selected], [gallery, selected],
-                         api_visibility="undocumented").then(lambda: [], None, [multi_chat], api_visibility="undocumented")
-        remove.click(Handlers.remove_image, [gallery, selected], [gallery, selected],
-                     api_visibility="undocumented").then(lambda: [], None, [multi_chat], api_visibility="undocumented")
-        for control in (sidebar["max_slice_nums"], sidebar["downsample_mode"], sidebar["visual_token_budget"]):
-            control.change(handlers.image_costs, cost_inputs, [costs], api_visibility="undocumented")
-        _wire_question(demo, multi_box, handlers.add_multi_image_question, [multi_box, gallery, multi_chat],
-                       [multi_chat, multi_box], handlers.respond, settings, concurrency)
-
-        # Video tab: a new video starts a new conversation.
-        summary_inputs = [video, video_settings["video_fps"], video_settings["video_max_frames"]]
-        video.change(handlers.video_summary, summary_inputs, [video_info], api_visibility="undocumented").then(
-            lambda: [], None, [video_chat], api_visibility="undocumented")
-        for control in (video_settings["video_fps"], video_settings["video_max_frames"]):
-            control.change(handlers.video_summary, summary_inputs, [video_info], api_visibility="undocumented")
-        _wire_question(demo, video_box, handlers.add_video_question, [video_box, video, video_chat],
-                       [video_chat, video_box], handlers.respond, settings, concurrency)
-
+            chat = _chat_tab()
+            multi = _multi_image_tab(handlers)
+            video = _video_tab(handlers, defaults)
+        api = _api_components()
+        settings = [{**sidebar, **video.settings}[key] for key in SETTING_KEYS]
+        wiring = SimpleNamespace(blocks=demo, handlers=handlers, settings=settings, concurrency=concurrency)
+        _wire_chat(wiring, chat)
+        _wire_multi_image(wiring, multi, sidebar)
+        _wire_video(wiring, video)
         demo.load(lambda: model_header(manager.info()), None, [header], api_visibility="private")
-
-        # The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask").
-        api_button.click(_streaming(handlers.ask, demo), [api_text, api_files, api_settings, api_conversation],
-                         [api_reply, api_stats, api_conversation], api_name="ask", concurrency_id=MODEL_EVENTS,
-                         concurrency_limit=concurrency,
-                         api_description="Ask about images or one video; streams (reply_text, stats).")
+        _wire_api(wiring, api)
     return demo
+
+
+def _header_and_panels(manager, handlers: Handlers, defaults) -> tuple[gr.Markdown, dict]:
+    """The model's header, the settings sidebar, the server-load panel and (if allowed) the model switch."""
+    info = manager.info()
+    header = gr.Markdown(model_header(info), elem_id="model-header")
+    if info.random_weights:
+        gr.Markdown(MSG_RANDOM_WEIGHTS, elem_id="random-weights")
+    sidebar = _settings_sidebar(defaults)
+    with gr.Accordion("Server load", open=False) as load_accordion:
+        load = gr.Markdown(handlers.server_load(), elem_id="server-load")
+    # Refreshed only while someone has the panel open: hundreds of idle tabs should not poll.
+    load_timer = gr.Timer(2.0, active=False)
+    load_timer.tick(handlers.server_load, None, [load], api_visibility="private", show_progress="hidden",
+                    queue=False)
+    load_accordion.expand(lambda: gr.Timer(active=True), None, [load_timer], api_visibility="private", queue=False)
+    load_accordion.collapse(lambda: gr.Timer(active=False), None, [load_timer], api_visibility="private", queue=False)
+    if manager.config.allow_model_switch:
+        with gr.Accordion("Model", open=False):
+            model_choice = gr.Dropdown(
+                [(preset.label, preset.model) for preset in PRESETS], value=info.name, allow_custom_value=True,
+                label="Checkpoint", info="A preset, any Hub id or a local folder. Changes the model for everyone.")
+            load_model = gr.Button("Load this model")
+        # One switch at a time, in a group of its own: a concurrency group's limit is the lowest any of
+        # its events asks for (gradio.queueing.Queue.create_event_queue_for_fn), so in MODEL_EVENTS a
+        # switch's 1 held every reply after it to one at a time. Replies wait for a switch in the engine.
+        load_model.click(handlers.switch_model, [model_choice], [header], concurrency_id="model-switch",
+                         concurrency_limit=1, api_visibility="private")
+    return header, sidebar
+
+
+def _chat_tab() -> SimpleNamespace:
+    with gr.Tab("Chat", id="chat"):
+        chat = _chatbot("Chat", "Ask anything, or attach photos (upload, paste, or the camera below).", "chat")
+        box = gr.MultimodalTextbox(
+            file_count="multiple", file_types=list(limits.IMAGE_EXTENSIONS), sources=["upload"],
+            placeholder="Message MiniCPM-V… (attach or paste images)", stop_btn=True, autofocus=True,
+            show_label=False, elem_id="chat-input",
+        )
+        with gr.Accordion("Camera", open=False):
+            camera = gr.Image(sources=["webcam", "clipboard"], type="filepath", label="Photo for the next message")
+        gr.Examples(
+            examples=[[{"text": "What is in this picture?", "files": [os.path.join(EXAMPLES, "shapes.jpg")]}],
+                      [{"text": "Read the text in this image.", "files": [os.path.join(EXAMPLES, "sign.jpg")]}]],
+            inputs=[box], label="Examples",
+        )
+    return SimpleNamespace(chat=chat, box=box, camera=camera)
+
+
+def _multi_image_tab(handlers: Handlers) -> SimpleNamespace:
+    with gr.Tab("Multi-image", id="multi"):
+        gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
+                             columns=4, height=260, label="Images, in the order the model sees them")
+        selected = gr.State(None)
+        with gr.Row():
+            earlier = gr.Button("◀ Move earlier", size="sm")
+            later = gr.Button("Move later ▶", size="sm")
+            remove = gr.Button("✕ Remove", size="sm")
+        costs = gr.Markdown(handlers.image_costs(None))
+        chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",
+                        "multi-chat")
+        box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True, stop_btn=True,
+                         show_label=False, elem_id="multi-input")
+        gr.Examples(
+            examples=[[[os.path.join(EXAMPLES, "shapes.jpg"), os.path.join(EXAMPLES, "shapes-moved.jpg")],
+                       "What changed between the two images?"]],
+            inputs=[gallery, box], label="Examples",
+        )
+    return SimpleNamespace(gallery=gallery, selected=selected, earlier=earlier, later=later, remove=remove,
+                           costs=costs, chat=chat, box=box)
+
+
+def _video_tab(handlers: Handlers, defaults) -> SimpleNamespace:
+    with gr.Tab("Video", id="video"):
+        video = gr.Video(sources=["upload"], label="Video", height=320)
+        settings = _video_controls(defaults)
+        info = gr.Markdown(handlers.video_summary(None, defaults.video_fps, defaults.video_max_frames))
+        chat = _chatbot("Conversation about the video", "Ask what happens in the video.", "video-chat")
+        box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True, stop_btn=True,
+                         show_label=False, elem_id="video-input")
+        gr.Examples(examples=[[os.path.join(EXAMPLES, "ball.webm"), "Describe what happens in this video."]],
+                    inputs=[video, box], label="Examples")
+    return SimpleNamespace(video=video, settings=settings, info=info, chat=chat, box=box)
+
+
+def _api_components() -> SimpleNamespace:
+    """/ask's inputs and outputs: hidden components, since an API event needs components."""
+    with gr.Row(visible=False):
+        text = gr.Textbox(label="text")
+        files = gr.File(file_count="multiple", type="filepath", label="files")
+        settings = gr.JSON(label="settings")
+        reply = gr.Textbox(label="reply_text")
+        stats = gr.JSON(label="stats")
+        button = gr.Button()
+    conversation = gr.State([])
+    return SimpleNamespace(text=text, files=files, settings=settings, reply=reply, stats=stats, button=button,
+                           conversation=conversation)
+
+
+def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
+    handlers, chat = wiring.handlers, tab.chat
+    _wire_question(wiring.blocks, tab.box, handlers.add_chat_message, [tab.box, tab.camera, chat],
+                   [chat, tab.box, tab.camera], handlers.respond, wiring.settings, wiring.concurrency)
+    retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
+    _wire_answer(wiring.blocks, retried, handlers.respond, chat, wiring.settings, tab.box, wiring.concurrency)
+    chat.undo(handlers.undo, [chat], [chat, tab.box], api_visibility="undocumented")
+    chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
+
+
+def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace, sidebar: dict) -> None:
+    """A changed set of images starts a new conversation."""
+    handlers = wiring.handlers
+    cost_inputs = [tab.gallery, *wiring.settings]
+    tab.gallery.change(handlers.image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
+    tab.gallery.upload(lambda: [], None, [tab.chat], api_visibility="undocumented")
+    tab.gallery.select(Handlers.selected_index, None, [tab.selected], api_visibility="undocumented")
+    for button, offset in ((tab.earlier, -1), (tab.later, 1)):
+        button.click(lambda g, i, o=offset: Handlers.move_image(g, i, o), [tab.gallery, tab.selected],
+                     [tab.gallery, tab.selected], api_visibility="undocumented").then(
+            lambda: [], None, [tab.chat], api_visibility="undocumented")
+    tab.remove.click(Handlers.remove_image, [tab.gallery, tab.selected], [tab.gallery, tab.selected],
+                     api_visibility="undocumented").then(lambda: [], None, [tab.chat], api_visibility="undocumented")
+    for control in (sidebar["max_slice_nums"], sidebar["downsample_mode"], sidebar["visual_token_budget"]):
+        control.change(handlers.image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
+    _wire_question(wiring.blocks, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
+                   [tab.chat, tab.box], handlers.respond, wiring.settings, wiring.concurrency)
+
+
+def _wire_video(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
+    """A new video starts a new conversation."""
+    handlers = wiring.handlers
+    summary_inputs = [tab.video, tab.settings["video_fps"], tab.settings["video_max_frames"]]
+    tab.video.change(handlers.video_summary, summary_inputs, [tab.info], api_visibility="undocumented").then(
+        lambda: [], None, [tab.chat], api_visibility="undocumented")
+    for control in (tab.settings["video_fps"], tab.settings["video_max_frames"]):
+        control.change(handlers.video_summary, summary_inputs, [tab.info], api_visibility="undocumented")
+    _wire_question(wiring.blocks, tab.box, handlers.add_video_question, [tab.box, tab.video, tab.chat],
+                   [tab.chat, tab.box], handlers.respond, wiring.settings, wiring.concurrency)
+
+
+def _wire_api(wiring: SimpleNamespace, api: SimpleNamespace) -> None:
+    """The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask")."""
+    api.button.click(_streaming(wiring.handlers.ask, wiring.blocks), [api.text, api.files, api.settings, api.conversation],
+                     [api.reply, api.stats, api.conversation], api_name="ask", concurrency_id=MODEL_EVENTS,
+                     concurrency_limit=wiring.concurrency,
+                     api_description="Ask about images or one video; streams (reply_text, stats).")

@@ -6,8 +6,8 @@ and 6 full-attention layers) is about 1,540 small kernels, 2.4 us each on an H20
 CUDA graph: 4.1 ms a step against a 0.36 ms floor. Here a layer is ten kernels (272 a step, 1.17 ms at
 batch 1; benchmarks/RESULTS.md): the projections of a layer are one matrix product (its weights
 concatenated once at load, the modules keeping views into them, so transformers' path still works and
-no memory is added), and everything between the products is one kernel each (app.engine.text_ops).
-Sequences read and write their state in the slot store in place (app.engine.batch_cache), and
+no memory is added), and everything between the products is one kernel each (app.model.text.ops).
+Sequences read and write their state in the slot store in place (app.model.batch_cache), and
 attention reads each sequence's own columns only, split across the GPU (flash-decoding).
 
 A prefill wave packs its prompts back to back instead of left-padding them to one length: the DeltaNet
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from app.engine import text_ops
+from app.model.text import ops as text_ops
 
 
 _DELTANET_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -306,7 +306,7 @@ class FusedTextModel:
     def prefill_padded(self, embeddings: torch.Tensor, pads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """prefill for prompts front-padded to one length: embeddings [prompts * length, hidden], prompt
         i's `pads[i]` zero rows then its tokens, into slot `slots[i]` (both on the device, so that no
-        host value depends on the prompts: this is what app.engine.batch_runner captures)."""
+        host value depends on the prompts: this is what app.model.runner captures)."""
         length = embeddings.shape[0] // pads.shape[0]
         return self._prefill(embeddings, _Rows.padded(pads, slots, length, self.conv_width))
 

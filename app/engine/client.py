@@ -1,30 +1,7 @@
-"""The engine in a process of its own, so that the GPU's scheduler does not share the web server's GIL.
-
-Why: the scheduler thread drives the GPU through many short torch calls, and gives up Python's GIL and
-waits to take it back at each. Sharing one process with Gradio's event loop, hundreds of streaming
-handlers and the text decoding of every reply, it waited for the GIL longer than for the GPU: on an H200
-a decode step of 11.8 ms took 32.8 ms in-process at 200 users, 41 ms through the app
-(benchmarks/RESULTS.md). So, as vLLM splits its API server from its engine core, the engine process
-holds the model, the scheduler and the preparation of inputs (images decoded and sliced, prompts
-rendered); the web process keeps the UI, turns token ids into text and follows each reply.
-
-EngineProcess has the model manager's interface (app.engine.manager.ModelManager), so the UI does not
-know which one it talks to. If the engine process dies (a crash in a GPU driver, say), replies in flight
-end with a clear message and a new engine process is started and warmed up.
-
-With several web processes (app.web_processes) the engine process also listens on a local socket and
-serves each web process over a connection of its own (EngineConnection) as it serves its parent over the
-pipe; a web process that goes away takes its requests out of the batch. The parent restarts the engine
-process when it dies, and the web processes connect to the new one.
-
-Messages, pickled over the pipe or a connection:
-  web -> engine   ("stream", id, messages, settings, requested_at)   start a reply
-                  ("done", id, outcome)                              the web side is done with it
-                  ("call", id, method, args)                         anything else (info, switch, metrics...)
-                  ("stop", None)                                     end the process
-  engine -> web   ("ready", error) once, after loading (error None); then lists of
-                  ("event", id, kind, value)  a reply's events (app.engine.manager.follow_reply)
-                  ("result", id, error, value)
+"""The web side's end of the engine process (app.engine.process): EngineProcess starts the engine process
+and talks to it over a pipe; EngineConnection, in each of several web processes, over a local socket. Both
+have the model manager's interface (app.engine.core.ModelManager), so the UI does not know which one it
+talks to. No torch here.
 """
 
 import atexit
@@ -33,19 +10,18 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import queue
-import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Iterator
 
 from app import limits
+from app.messages import MSG_ENGINE_PROCESS_DOWN, MSG_ENGINE_PROCESS_LOST
 from app.config import AppConfig
-from app.engine.manager import ModelManager, as_user_error, follow_reply
+from app.engine.replies import follow_reply
 from app.engine.stop_signal import StopSignal
+from app.engine.api import ReplyEvent
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -97,9 +73,9 @@ class EngineClient:
         if self._closing:
             return
         self._ready.clear()
-        lost = UserError(limits.MSG_ENGINE_PROCESS_LOST)
+        lost = UserError(MSG_ENGINE_PROCESS_LOST)
         for events in list(self._streams.values()):
-            events.put(("error", lost))
+            events.put((ReplyEvent.ERROR, lost))
         for results in list(self._calls.values()):
             results.put((lost, None))
         self._connection_lost()
@@ -113,12 +89,12 @@ class EngineClient:
         if not self._ready.wait(limits.SWITCH_WAIT_S if wait else 0):
             if not wait:
                 return
-            raise UserError(limits.MSG_ENGINE_PROCESS_DOWN)
+            raise UserError(MSG_ENGINE_PROCESS_DOWN)
         try:
             with self._send_lock:
                 self._connection.send(message)
         except (OSError, ValueError) as error:  # the process has just died: the reader deals with it
-            raise UserError(limits.MSG_ENGINE_PROCESS_LOST) from error
+            raise UserError(MSG_ENGINE_PROCESS_LOST) from error
 
     def _call(self, method: str, *args):
         call_id = next(self._ids)
@@ -172,7 +148,7 @@ class EngineClient:
         request_id = next(self._ids)
         events = self._streams[request_id] = queue.SimpleQueue()
         if stop is not None:
-            stop.on_set(lambda: events.put(("stopped", None)))
+            stop.on_set(lambda: events.put((ReplyEvent.STOPPED, None)))
 
         def close(outcome: str) -> None:
             del self._streams[request_id]
@@ -196,7 +172,7 @@ class EngineProcess(EngineClient):
     """Starts the engine process and talks to it over a pipe; starts a new one if it dies.
 
     `listen` = (socket path, key): the engine process also serves web processes that connect there
-    (EngineConnection), which is how several web processes share it (app.web_processes)."""
+    (EngineConnection), which is how several web processes share it (app.web.processes)."""
 
     def __init__(self, config: AppConfig, listen: tuple[str, bytes] | None = None):
         super().__init__(config)
@@ -213,6 +189,8 @@ class EngineProcess(EngineClient):
         context = multiprocessing.get_context("spawn")  # a fork would copy the web server's threads and locks
         ours, theirs = context.Pipe()
         # Not a daemon: it starts processes of its own (app.engine.preparers); close() ends it at exit.
+        from app.engine.process import serve  # the engine side's module: light, it imports the model lazily
+
         process = context.Process(target=serve, args=(self.config, theirs, self.listen), name="minicpmv-engine")
         process.start()
         theirs.close()
@@ -322,124 +300,3 @@ class _RemoteMetrics:
 
     def reset(self) -> None:
         self._call("metrics.reset")
-
-
-# The engine side ---------------------------------------------------------------------------------------
-
-def serve(config: AppConfig, connection, listen: tuple[str, bytes] | None = None) -> None:
-    """The engine process's main: load the model, then serve its parent (and, with `listen`, the web
-    processes that connect) until the parent goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the parent stops us
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
-    manager = ModelManager(config)
-    try:
-        manager.load()
-    except Exception as error:
-        if not isinstance(error, UserError):
-            log.error("Loading the model failed", exc_info=error)
-        connection.send(("ready", _wire_error(error)))
-        return
-    if listen is not None:
-        address, key = listen
-        if os.path.exists(address):  # the socket of the engine process this one replaces
-            os.unlink(address)
-        listener = multiprocessing.connection.Listener(address, family="AF_UNIX", authkey=key)
-        threading.Thread(target=_accept, args=(manager, listener), name="engine-listener", daemon=True).start()
-    connection.send(("ready", None))
-    _EngineSide(manager, connection).run()
-    manager.preparer.close()  # its worker processes first: this process's exit waits for them
-
-
-def _accept(manager, listener) -> None:
-    """Serve each web process that connects, on threads of its own."""
-    while True:
-        try:
-            connection = listener.accept()
-        except (OSError, EOFError, multiprocessing.AuthenticationError) as error:  # a stranger, or one that left
-            log.warning("Refused a connection: %s", error)
-            continue
-        side = _EngineSide(manager, connection)
-        threading.Thread(target=side.run, kwargs={"cancel_when_gone": True}, name="engine-connection", daemon=True).start()
-
-
-class _EngineSide:
-    def __init__(self, manager, connection):
-        self.manager = manager
-        self.connection = connection
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.requests: dict[int, threading.Event] = {}  # id -> the request's cancelled flag, until it is done
-        # Threads that wait for the manager's preparer (which bounds the work) and put requests in line.
-        self.preparing = ThreadPoolExecutor(32, thread_name_prefix="prepare")
-        self.calls = ThreadPoolExecutor(4, thread_name_prefix="call")
-
-    def run(self, cancel_when_gone: bool = False) -> None:
-        """Serve the connection until it ends; `cancel_when_gone`: its requests then leave the batch (a web
-        process that went away; when the parent goes, the whole process ends)."""
-        threading.Thread(target=self._send_batches, name="engine-sender", daemon=True).start()
-        while True:
-            try:
-                message = self.connection.recv()
-            except (EOFError, OSError):
-                break
-            kind, message_id, *rest = message
-            if kind == "stop":
-                break
-            if kind == "stream":
-                self.requests[message_id] = cancelled = threading.Event()
-                self.preparing.submit(self._start, message_id, cancelled, *rest)
-            elif kind == "done":
-                cancelled = self.requests.pop(message_id, None)
-                if cancelled is not None:
-                    self.manager.end_request(cancelled, rest[0])
-            elif kind == "call":
-                self.calls.submit(self._answer, message_id, *rest)
-        if cancel_when_gone:
-            for cancelled in list(self.requests.values()):
-                self.manager.end_request(cancelled, "stopped")
-            self.outbox.put(None)  # ends the sender
-            self.preparing.shutdown(wait=False)
-            self.calls.shutdown(wait=False)
-
-    def _start(self, request_id: int, cancelled: threading.Event, messages, settings, requested_at: float) -> None:
-        def emit(kind: str, value) -> None:
-            self.outbox.put(("event", request_id, kind, as_user_error(value) if kind == "error" else value))
-
-        if cancelled.is_set():  # dropped while it waited for a preparing thread
-            return
-        try:
-            self.manager.start(messages, settings, emit, requested_at, cancelled)
-        except Exception as error:  # bad input: not counted as a request, as in-process
-            self.requests.pop(request_id, None)
-            if not cancelled.is_set():  # else nobody waits for it (stopped while it was prepared)
-                emit("error", error)
-
-    def _answer(self, call_id: int, method: str, args: tuple) -> None:
-        try:
-            target = self.manager
-            for name in method.split("."):
-                target = getattr(target, name)
-            value = target(*args) if callable(target) else target
-            self.outbox.put(("result", call_id, None, value))
-        except Exception as error:
-            self.outbox.put(("result", call_id, _wire_error(error), None))
-
-    def _send_batches(self) -> None:
-        """One write for every message ready: hundreds of replies stream at once."""
-        while True:
-            batch = [self.outbox.get()]
-            while not self.outbox.empty():
-                batch.append(self.outbox.get())
-            if None in batch:
-                return
-            try:
-                self.connection.send(batch)
-            except (OSError, ValueError):  # gone: run() ends too
-                return
-
-
-def _wire_error(error: BaseException) -> Exception:
-    """An error of a call as the web process should see it: a UserError as it is, others by type and message
-    (an exception of a library may not survive pickling)."""
-    if isinstance(error, UserError):
-        return error
-    return RuntimeError(f"{type(error).__name__}: {error}")

@@ -14,7 +14,12 @@ import importlib.util
 import os
 import re
 
-from app import limits
+from app.messages import (
+    MSG_4BIT_ALREADY_QUANTIZED,
+    MSG_4BIT_NEEDS_BITSANDBYTES,
+    MSG_4BIT_NEEDS_CUDA,
+    MSG_QUANT_PACKAGES_MISSING,
+)
 from app.errors import UserError
 
 _BLOCK_LAYER = re.compile(r"^(.*\.layers)\.\d+\.(.+)$")
@@ -34,7 +39,7 @@ def complete_quantization_config(path: str, config) -> None:
     method = settings.get("quant_method")
     missing = [package for package in _NEEDS.get(method, ()) if importlib.util.find_spec(package) is None]
     if missing:
-        raise UserError(limits.MSG_QUANT_PACKAGES_MISSING.format(method=method, packages=", ".join(missing)))
+        raise UserError(MSG_QUANT_PACKAGES_MISSING.format(method=method, packages=", ".join(missing)))
     quantized, plain = _weight_modules(path)
     if not quantized:
         return  # not a layout we can read: transformers gets the config as it is
@@ -70,11 +75,11 @@ def load_in_4bit_config(model: str, config, device: str, dtype):
     settings = getattr(config, "quantization_config", None)
     if settings is not None:
         method = settings.get("quant_method") if isinstance(settings, dict) else settings.quant_method
-        raise UserError(limits.MSG_4BIT_ALREADY_QUANTIZED.format(model=model, method=getattr(method, "value", method)))
+        raise UserError(MSG_4BIT_ALREADY_QUANTIZED.format(model=model, method=getattr(method, "value", method)))
     if not str(device).startswith("cuda"):
-        raise UserError(limits.MSG_4BIT_NEEDS_CUDA)
+        raise UserError(MSG_4BIT_NEEDS_CUDA)
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError(limits.MSG_4BIT_NEEDS_BITSANDBYTES)
+        raise UserError(MSG_4BIT_NEEDS_BITSANDBYTES)
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,

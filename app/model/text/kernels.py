@@ -1,4 +1,4 @@
-"""Triton kernels of the fused text model: each does in one launch what app.engine.text_ops does in
+"""Triton kernels of the fused text model: each does in one launch what app.model.text.ops does in
 PyTorch in several (see there for what each computes). Math in fp32, one rounding at the end.
 
 Imported only on CUDA; tests run these kernels on the CPU through Triton's interpreter.
@@ -12,7 +12,7 @@ import triton.language as tl
 @triton.jit
 def add_norm_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, width, eps,
                     HAS_RESIDUAL: tl.constexpr, LAYER_NORM: tl.constexpr, BLOCK: tl.constexpr):
-    """A row's residual add, then RMSNorm, or LayerNorm with a bias (LAYER_NORM: app.engine.vision_kernels)."""
+    """A row's residual add, then RMSNorm, or LayerNorm with a bias (LAYER_NORM: app.model.vision.kernels)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width

@@ -1,7 +1,7 @@
-"""The operations of the fused vision tower (app.engine.fused_vision) that PyTorch does in several kernels.
+"""The operations of the fused vision tower (app.model.vision.fused) that PyTorch does in several kernels.
 
-One Triton kernel each on CUDA (app.engine.vision_kernels), where Triton runs (the probe is the text
-model's: app.engine.text_ops.triton_kernels); plain PyTorch elsewhere. The PyTorch versions are the
+One Triton kernel each on CUDA (app.model.vision.kernels), where Triton runs (the probe is the text
+model's: app.model.text.ops.triton_kernels); plain PyTorch elsewhere. The PyTorch versions are the
 reference and follow transformers' SigLIP layers operation for operation.
 
 Shapes: rows of tokens; `qkv` is a merged query/key/value projection [tokens, 3 * hidden].
@@ -10,13 +10,13 @@ Shapes: rows of tokens; `qkv` is a merged query/key/value projection [tokens, 3 
 import torch
 import torch.nn.functional as F
 
-from app.engine import text_ops
+from app.model.text import ops as text_ops
 
 
 def _kernels_for(tensor: torch.Tensor):
     if not tensor.is_cuda or text_ops.triton_kernels(tensor.device) is None:
         return None
-    from app.engine import vision_kernels
+    from app.model.vision import kernels as vision_kernels
 
     return vision_kernels
 

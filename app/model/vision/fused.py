@@ -1,7 +1,7 @@
 """The vision tower written out with few kernels: MiniCPM-V 4.6/4.7's SigLIP encoder, the window merger
 inside it and the final merger, over any number of images' slices (and video frames) packed back to back.
 
-Through transformers' modules (app.engine.vision_tower tunes them) the tower was 84% of a prefill
+Through transformers' modules (app.model.vision.tower tunes them) the tower was 84% of a prefill
 wave's GPU time on an H200 (benchmarks/RESULTS.md), and for one image a chain of small launches. Here:
 - the patch convolution is one matrix product over patches cut by a view, with the conv's bias and
   the position embeddings (one table, added once at load) as the product's C input;
@@ -11,7 +11,7 @@ wave's GPU time on an H200 (benchmarks/RESULTS.md), and for one image a chain of
   epilogue, fc2;
 - attention is one SDPA call per run of equal-size slices, on views of the merged projection (nothing
   is copied into heads-first order and back);
-- the window merger's 2x2 windows are attended by one kernel (app.engine.vision_ops.window_attention);
+- the window merger's 2x2 windows are attended by one kernel (app.model.vision.ops.window_attention);
 - where tokens go (position ids, window order, the final merger's order) is worked out on the CPU from
   a cache per slice size and sent to the GPU in one copy, which does not wait for the GPU.
 
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from app.engine import vision_ops
-from app.engine.fused_text import in_one_copy, merge_parameters
-from app.engine.vision_tower import (equal_runs, slice_merge_order, slice_position_ids, slice_starts,
+from app.model.vision import ops as vision_ops
+from app.model.text.fused import in_one_copy, merge_parameters
+from app.model.vision.tower import (equal_runs, slice_merge_order, slice_position_ids, slice_starts,
                                      slice_window_order)
 
 

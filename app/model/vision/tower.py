@@ -1,5 +1,5 @@
 """transformers' vision tower, tuned: one attention call per run of equal-size slices, and no work slice
-by slice. Used where app.engine.fused_vision does not apply (a quantized tower) or is turned off; the
+by slice. Used where app.model.vision.fused does not apply (a quantized tower) or is turned off; the
 slices' layout helpers here serve both.
 
 MiniCPM-V packs every slice of every image into one sequence. Without flash-attention, transformers

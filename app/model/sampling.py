@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.transfers import on_device
+from app.model.transfers import on_device
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The operations of the fused text model (app.engine.fused_text): its decode step, one token per
+"""The operations of the fused text model (app.model.text.fused): its decode step, one token per
 sequence, and its prefill of prompts packed back to back.
 
-Each is one Triton kernel on CUDA (app.engine.text_kernels) and plain PyTorch elsewhere. The PyTorch
+Each is one Triton kernel on CUDA (app.model.text.kernels) and plain PyTorch elsewhere. The PyTorch
 versions below are the reference: they follow transformers' Qwen3.5 text layers operation for
 operation (the CPU path gives the same logits as transformers' layers); the kernels compute the same in
 fp32 registers and round once at the end, so on the GPU they differ from transformers by bf16 rounding.
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 @functools.cache
 def triton_kernels(device: torch.device):
     """The Triton kernels, or None where they cannot run on `device`: the PyTorch versions run then,
-    slower (the fused vision tower's kernels too: app.engine.vision_ops). Triton compiles a small
+    slower (the fused vision tower's kernels too: app.model.vision.ops). Triton compiles a small
     launcher with the machine's C compiler on first use, so a box without one (or a GPU Triton does not
     support) fails there: one tiny kernel is tried first. The attention kernels' 16-bit matrix products
     need an Ampere GPU or newer (compute capability 8.0; they were measured on an H200)."""
@@ -31,7 +31,7 @@ def triton_kernels(device: torch.device):
                     "they run in PyTorch on this one")
         return None
     try:
-        from app.engine import text_kernels
+        from app.model.text import kernels as text_kernels
 
         text_kernels.add_rms_norm(torch.ones((1, 8), device=device), None, torch.ones(8, device=device), 1e-6)
     except Exception as error:

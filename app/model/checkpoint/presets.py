@@ -16,7 +16,7 @@ class Preset:
     note: str = ""
 
 
-# The model type the batching engine serves (app/engine/batch_runner.py knows its layout).
+# The model type the batching engine serves (app/model/runner.py knows its layout).
 SERVED_MODEL_TYPES = ("minicpmv4_6", "minicpmv4_7")
 # MiniCPM-V model types it does not serve (yet), and why.
 UNSERVED_MODEL_TYPES = {

@@ -4,11 +4,11 @@ Why: one web process's Python is the limit of the app path under load. On an H20
 web process ran at 0.8 of a core (Gradio's uploads, queue and server-sent events, and the text of 200
 streaming replies) while the GPU was busy 66% of the time, and the app delivered 2,635 tokens/s where the
 engine called from a script delivered 4,066 (benchmarks/RESULTS.md). Gradio serves a session from one
-process, so the processes cannot simply share a port: app.front sends each session to its own process.
+process, so the processes cannot simply share a port: app.web.proxy sends each session to its own process.
 
-Layout, all started here: the engine process (app.engine.engine_process, listening on a local socket),
+Layout, all started here: the engine process (app.engine.process, listening on a local socket),
 then N web processes one after another (each the whole Gradio app on a local port, with its own
-connection to the engine process), then the front processes (app.front.Front), which take turns at the
+connection to the engine process), then the front processes (app.web.proxy.Front), which take turns at the
 public address's socket. This process watches them until it is stopped (Ctrl+C, SIGTERM). A web or front
 process that dies is started again; the engine process is restarted by its EngineProcess, as with one
 web process, and the web processes connect to the new one.
@@ -30,14 +30,14 @@ from dataclasses import replace
 
 from app import limits
 from app.config import AppConfig
-from app.engine.engine_process import EngineConnection, EngineProcess
+from app.engine.client import EngineConnection, EngineProcess
 
 log = logging.getLogger(__name__)
 
 def start_engine(config: AppConfig) -> EngineProcess:
     """The engine process, listening for web processes on a socket of its own; loaded and warmed up."""
     address = os.path.join(tempfile.mkdtemp(prefix="minicpmv-engine-"), "engine.sock")
-    from app.main import load_and_warm_up
+    from app.engine.backends import load_and_warm_up
 
     engine = EngineProcess(config, listen=(address, os.urandom(32)))
     load_and_warm_up(engine, config)
@@ -153,7 +153,7 @@ class WebProcesses(ChildProcesses):
 
 
 class Fronts(ChildProcesses):
-    """`count` proxy processes (app.front) taking turns at one listening socket, the public address.
+    """`count` proxy processes (app.web.proxy) taking turns at one listening socket, the public address.
 
     Why more than one: every byte of every upload and every streamed message of every user passes through
     the proxy. On the dev machine it spends about 12 ms of CPU on one 5.4 MB upload (a web process 25); a
@@ -165,7 +165,7 @@ class Fronts(ChildProcesses):
     kind = "Front"
 
     def __init__(self, host: str, port: int, backends: list[str], count: int):
-        from app.front import MovedSessions
+        from app.web.proxy import MovedSessions
 
         super().__init__(count)
         self.host, self.port, self.backends = host, port, backends
@@ -192,7 +192,7 @@ def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the front stops us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # how it does: exit as Python does, releasing what we hold
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [web {index}]: %(message)s")
-    from app.main import launch
+    from app.web.server import launch
 
     manager = EngineConnection(config, *engine_listen)
     manager.load()
@@ -208,7 +208,7 @@ def _serve_front(index: int, listening: socket.socket, backends: list[str], move
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front {index}]: %(message)s")
     server = start_front(listening, backends, moved)
-    gc.freeze()  # as app.main.launch does: 212,000 start-up objects, 0.17-0.21 s a full collection on the dev machine
+    gc.freeze()  # as app.web.server.launch does: 212,000 start-up objects, 0.17-0.21 s a full collection on the dev machine
     ready.put(index)
     while not stop.wait(0.5) and server.thread.is_alive():
         pass
@@ -221,10 +221,10 @@ def _serve_front(index: int, listening: socket.socket, backends: list[str], move
 
 def start_front(listening: socket.socket, backends: list[str], moved=None):
     """Serve connections of the `listening` socket (uvicorn, on a thread of its own, so that it installs no
-    signal handlers) until the returned server's should_exit is set; `moved`: app.front.MovedSessions, if shared."""
+    signal handlers) until the returned server's should_exit is set; `moved`: app.web.proxy.MovedSessions, if shared."""
     import uvicorn
 
-    from app.front import Front
+    from app.web.proxy import Front
 
     front = Front(backends, moved)
     server = uvicorn.Server(uvicorn.Config(front, lifespan="off", ws="none", log_level="warning",
@@ -241,7 +241,7 @@ def start_front(listening: socket.socket, backends: list[str], moved=None):
 
 def serve_with_web_processes(config: AppConfig) -> None:
     """Start everything, serve until Ctrl+C or SIGTERM, then stop every process."""
-    from app.main import use_upload_folder
+    from app.web.server import use_upload_folder
 
     use_upload_folder(config)  # before the web processes start: they share it
     engine = start_engine(config)

@@ -1,7 +1,7 @@
 """The model's side of batching: encode media of many requests at once, prefill them together into
 their slots, and run one decode step for every running slot together.
 
-The text model runs as app.engine.fused_text writes it out where the checkpoint allows (else through
+The text model runs as app.model.text.fused writes it out where the checkpoint allows (else through
 transformers' layers). On CUDA the decode step is captured as a CUDA graph per batch-size bucket and
 replayed: even fused, a step is a chain of a few hundred small kernels, and launching them from Python
 would cost more than running them. Elsewhere it runs eagerly.
@@ -16,37 +16,23 @@ told to leave SMs free (limits.VISION_SM_CARVEOUT; benchmarks/side_by_side.py).
 """
 
 import contextlib
-import functools
 import logging
-import threading
 import time
-from typing import Callable
 
 import torch
 
 from app import limits
-from app.engine.batch_cache import DecodeCache, PrefillCache, SlotStore
-from app.engine.fused_text import fused_text_model_for
-from app.engine.fused_vision import fused_vision_tower_for
+from app.model.cuda_graphs import GRAPH_BUCKETS, DecodeGraphs, PrefillGraphs
+from app.model.streams import MediaEncoding, PixelStaging, StagedPixels, matmuls_leaving_sms, serving_stream, vision_stream
+from app.model.batch_cache import DecodeCache, PrefillCache, SlotStore
+from app.model.text.fused import fused_text_model_for
+from app.model.vision.fused import fused_vision_tower_for
+from app.engine.waves import padded_length
 from app.engine.inputs import PIXEL_KEYS, normalized_pixels
-from app.engine.transfers import on_device
-from app.engine.vision_tower import slice_layout, tune_vision_tower
+from app.model.transfers import on_device
+from app.model.vision.tower import slice_layout, tune_vision_tower
 
 log = logging.getLogger(__name__)
-
-# Batch sizes a captured decode step exists for; a batch runs in the smallest bucket that holds it.
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# Prefill waves a captured text prefill exists for (waves have 2^k prompts): their prompts' count, and
-# the lengths they are front-padded to, at most the store's reserved columns (a longer one would grow
-# the store, and so recapture every graph). Larger waves are bound by the GPU, not by launches.
-PREFILL_GRAPH_ROWS = (1, 2, 4)
-PREFILL_GRAPH_LENGTHS = (64, 128, 256, 512, 768, 1024)
-
-
-def padded_length(tokens: int) -> int:
-    """Row length of a prefill wave whose longest prompt has `tokens` tokens (see PREFILL_LENGTH_MULTIPLE)."""
-    multiple = limits.PREFILL_LENGTH_MULTIPLE
-    return -(-tokens // multiple) * multiple
 
 
 def canvas_positions(model, tensors: dict, downsample_mode: str) -> tuple[torch.Tensor, int] | None:
@@ -74,14 +60,14 @@ class BatchRunner:
         self.video_token_id = model.config.video_token_id
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
-        self.graphs = _DecodeGraphs(self) if use_cuda_graphs else None
+        self.graphs = DecodeGraphs(self) if use_cuda_graphs else None
         self.fused = fused_text_model_for(model, self.store) if limits.FUSED_TEXT_MODEL else None
-        self.prefill_graphs = _PrefillGraphs(self) if use_cuda_graphs and self.fused is not None else None
+        self.prefill_graphs = PrefillGraphs(self) if use_cuda_graphs and self.fused is not None else None
         self.fused_vision = fused_vision_tower_for(model) if limits.FUSED_VISION_TOWER else None
         # Not with use_cuda_graphs=False either: on ZeroGPU the GPU exists only inside the callers' functions.
-        self._staging = _PixelStaging(self.device) if use_cuda_graphs and self.device.type == "cuda" else None
+        self._staging = PixelStaging(self.device) if use_cuda_graphs and self.device.type == "cuda" else None
         # The scheduler's stream for prefills and decode steps; None: the thread's current one.
-        self.serving_stream = (_serving_stream(self.device) if use_cuda_graphs and self.device.type == "cuda"
+        self.serving_stream = (serving_stream(self.device) if use_cuda_graphs and self.device.type == "cuda"
                                and limits.MEDIA_ALONGSIDE_DECODING else None)
         self.pixel_dtype = model.model.vision_tower.dtype
         self._normalizations: dict[tuple, torch.Tensor] = {}  # pixel normalization on the device
@@ -117,8 +103,8 @@ class BatchRunner:
             started = time.perf_counter()
             features = self.encode_media(batch)
             return MediaEncoding(features, None, time.perf_counter() - started)
-        stream = _vision_stream(self.device)
-        with torch.cuda.stream(stream), _matmuls_leaving_sms(limits.VISION_SM_CARVEOUT if decoding else 0):
+        stream = vision_stream(self.device)
+        with torch.cuda.stream(stream), matmuls_leaving_sms(limits.VISION_SM_CARVEOUT if decoding else 0):
             started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record(stream)
             features = self.encode_media(batch)
@@ -265,7 +251,7 @@ class BatchRunner:
         return self.decode_step_through_transformers(tokens, positions)
 
     def decode_step_through_transformers(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """decode_step through transformers' layers (for models app.engine.fused_text does not cover)."""
+        """decode_step through transformers' layers (for models app.model.text.fused does not cover)."""
         columns = torch.arange(self.store.column_capacity, device=self.device)
         visible = (columns[None, :] <= positions[:, None])[:, None, None, :]
         rope = positions + self.store.rope_deltas[: positions.shape[0]]
@@ -338,286 +324,3 @@ class BatchRunner:
             self.graphs.clear()
         if self.prefill_graphs is not None:
             self.prefill_graphs.clear()
-
-
-class MediaEncoding:
-    """A wave's visual features (encode_media's list), computed at once or still being computed on the
-    vision stream; `events` (started, done) there, `seconds` the time taken where known at once."""
-
-    def __init__(self, features: list, events: tuple | None, seconds: float | None):
-        self._features, self._events, self._seconds = features, events, seconds
-
-    def ready(self, wait: bool) -> bool:
-        """Whether the features are computed; with `wait`, once they are (the host waits for the GPU)."""
-        if self._events is None:
-            return True
-        if wait:
-            self._events[1].synchronize()
-            return True
-        return self._events[1].query()
-
-    @property
-    def seconds(self) -> float:
-        """The encoding's time, once ready (on CUDA the vision stream's, alongside other work)."""
-        return self._seconds if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1000
-
-    def features(self) -> list[torch.Tensor | None]:
-        """The features, for use on the current stream (which waits for them, without the host waiting)."""
-        if self._events is not None:
-            stream = torch.cuda.current_stream(self._events[1].device)
-            stream.wait_event(self._events[1])
-            for feature in self._features:
-                if feature is not None:
-                    feature.record_stream(stream)  # made on the vision stream: not to be reused before this use
-        return self._features
-
-
-class StagedPixels:
-    """A request's pixels copied to the GPU on the staging stream (BatchRunner.stage_media)."""
-
-    def __init__(self, tensor: torch.Tensor, copied, release: Callable[[], None]):
-        self.tensor, self.copied = tensor, copied
-        self._release = release
-
-    def on_device(self) -> torch.Tensor:
-        """The pixels, once the current stream has waited for their copy (the host does not wait)."""
-        stream = torch.cuda.current_stream(self.tensor.device)
-        stream.wait_event(self.copied)
-        self.tensor.record_stream(stream)  # the allocator must not hand its memory out before this use
-        return self.tensor
-
-    def __del__(self):
-        self._release()
-
-
-class _PixelStaging:
-    """The side stream pixels are copied on, and how many bytes wait on the GPU."""
-
-    def __init__(self, device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.limit = limits.STAGED_PIXELS_MB * 2**20
-        self.staged = 0
-        self._lock = threading.Lock()
-
-    def stage(self, pixels: torch.Tensor) -> StagedPixels | None:
-        size = pixels.numel() * pixels.element_size()
-        with self._lock:
-            if self.staged + size > self.limit:
-                return None
-            self.staged += size
-        with torch.cuda.stream(self.stream):
-            tensor = pixels.to(self.device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-        return StagedPixels(tensor, copied, functools.partial(self._release, size))
-
-    def _release(self, size: int) -> None:
-        with self._lock:
-            self.staged -= size
-
-
-@contextlib.contextmanager
-def _matmuls_leaving_sms(count: int):
-    """cuBLAS's matrix products launched meanwhile use all SMs but `count` (0: all)."""
-    if not count:
-        yield
-        return
-    previous = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(count)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous)
-
-
-@functools.cache
-def _vision_stream(device) -> torch.cuda.Stream:
-    """The stream media are encoded on, one for the life of the process (see _capture_stream), at the
-    default priority, which is the lowest: the vision tower takes what the decode steps leave of the GPU."""
-    return torch.cuda.Stream(device)
-
-
-@functools.cache
-def _serving_stream(device) -> torch.cuda.Stream:
-    """The scheduler's stream for prefills and decode steps, one for the life of the process, at the
-    highest priority: a decode step's thread blocks go before the vision tower's waiting ones."""
-    return torch.cuda.Stream(device, priority=-100)  # beyond the range: its highest
-
-
-@functools.cache
-def _capture_stream():
-    """The one side stream every capture runs on, for the life of the process. cuBLAS keeps a workspace
-    for each stream it has run on and never frees it (32 MiB on an H200): with a new stream per capture,
-    0.87 GiB stayed allocated after a model switch unloaded everything (benchmarks/RESULTS.md)."""
-    return torch.cuda.Stream()
-
-
-class _GraphSet:
-    """Captured CUDA graphs of one kind, in one memory pool, valid while the store keeps its tensors."""
-
-    def __init__(self, runner: BatchRunner):
-        self.runner = runner
-        self.pool = None
-        self.captured: dict = {}
-        self.store_generation = None
-
-    def clear(self) -> None:
-        self.captured.clear()
-        self.pool = None
-
-    def _drop_if_stale(self) -> None:
-        """Forget every capture if the store has moved its tensors since they were made."""
-        if self.store_generation != self.runner.store.generation:
-            self.clear()
-            self.store_generation = self.runner.store.generation
-
-    def _capture(self, run: Callable[[], torch.Tensor], name: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """`run` captured as a CUDA graph in this set's pool, with its output tensor. Two warm-up runs first,
-        on the capture's side stream as capture requires (kernels tuned per shape run their tuning then,
-        outside the capture)."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        started = torch.cuda.Event(enable_timing=True)
-        ended = torch.cuda.Event(enable_timing=True)
-        started.record()
-        stream = _capture_stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # Thread-local: request threads copy pixels to the GPU meanwhile (stage_media), on their own stream.
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-            output = run()
-        ended.record()
-        torch.cuda.synchronize()
-        log.info("Captured %s in %.0f ms", name, started.elapsed_time(ended))
-        return graph, output
-
-
-class _PrefillGraphs(_GraphSet):
-    """The fused text prefill of small waves captured as a CUDA graph per (prompts, padded length).
-
-    A lone prompt's text prefill is about a thousand kernels, launched from Python: 28-37 ms on an H200
-    for about 4 ms of GPU work (flash-linear-attention's chunked delta rule alone goes through autograd,
-    autocast and input checks 18 times; benchmarks/RESULTS.md). Replayed, the launches cost next to
-    nothing. The prompts are front-padded with zero embeddings to the bucket's length
-    (FusedTextModel.prefill_padded): their padding is computed but changes nothing, and the GPU had
-    time to spare.
-    """
-
-    given_up = False  # a capture failed: every prefill is launched from Python
-
-    def capture_all(self, max_rows: int) -> None:
-        """Capture every bucket that fits the store now, each with a throwaway prompt into the first slots."""
-        hidden = self.runner.embed.embedding_dim
-        dtype = self.runner.embed.weight.dtype
-        for rows in PREFILL_GRAPH_ROWS:
-            for length in PREFILL_GRAPH_LENGTHS:
-                if rows <= max_rows and not self.given_up:
-                    self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.runner.device), [1] * rows, 0,
-                             length)
-
-    def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int,
-            length: int | None = None) -> torch.Tensor | None:
-        """FusedTextModel.prefill's logits through a captured graph (captured now if need be), or None
-        where no bucket holds the wave or capturing failed. `length`: the bucket's, rather than the smallest
-        that holds it."""
-        if self.given_up:
-            return None
-        length = length or next((size for size in PREFILL_GRAPH_LENGTHS if size >= max(lengths)), None)
-        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > self.runner.store.column_capacity:
-            return None
-        self._drop_if_stale()
-        rows = len(lengths)
-        captured = self.captured.get((rows, length))
-        if captured is None:
-            device = self.runner.device
-            static_embeddings = torch.zeros((rows * length, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
-            static_places = torch.zeros(2 * rows, dtype=torch.long, device=device)  # padding, then slots
-        else:
-            static_embeddings, static_places, graph, static_logits = captured
-        pads = [length - size for size in lengths]
-        static_places.copy_(torch.tensor(pads + list(range(first_slot, first_slot + rows))).pin_memory(),
-                            non_blocking=True)
-        static_embeddings.zero_()
-        padded, start = static_embeddings.view(rows, length, -1), 0
-        for row, (pad, size) in enumerate(zip(pads, lengths)):
-            padded[row, pad:] = embeddings[start:start + size]
-            start += size
-        if captured is None:
-            # The warm-up runs write these prompts' own (free) slots, as the replay does next.
-            try:
-                graph, static_logits = self._capture(
-                    lambda: self.runner.fused.prefill_padded(static_embeddings, static_places[:rows],
-                                                             static_places[rows:]),
-                    f"the prefill of {rows} prompts of up to {length} tokens")
-            except RuntimeError as error:  # a kernel that cannot be captured (a library's new version, say)
-                log.warning("The prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
-                self.given_up = True
-                return None
-            self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
-            # The warm-up runs may have made the store's layers (its first prefill): no earlier capture can
-            # have existed then, and this one uses them.
-            self.store_generation = self.runner.store.generation
-        graph.replay()
-        return static_logits
-
-
-class _DecodeGraphs(_GraphSet):
-    """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
-
-    Padding rows decode a dummy token in free slots (their state is overwritten when a request takes
-    the slot). Growing the store recaptures.
-    """
-
-    def run(self, tokens: torch.Tensor) -> torch.Tensor:
-        n = tokens.shape[0]
-        store = self.runner.store
-        bucket = next((size for size in GRAPH_BUCKETS if size >= n), None)
-        if bucket is None:  # beyond the largest bucket: no graph, still correct
-            return self.runner.decode_step(tokens.to(store.device), store.lengths[:n].clone())
-        store.reserve(bucket, store.column_capacity)
-        self._drop_if_stale()
-        if bucket not in self.captured:
-            self.captured[bucket] = self._capture_bucket(bucket)
-        graph, static_tokens, static_positions, static_logits = self.captured[bucket]
-        static_tokens.zero_()
-        static_tokens[:n] = tokens
-        static_positions.zero_()
-        static_positions[:n] = store.lengths[:n]
-        graph.replay()
-        return static_logits[:n]
-
-    def _capture_bucket(self, bucket: int):
-        device = self.runner.device
-        static_tokens = torch.zeros(bucket, dtype=torch.long, device=device)
-        static_positions = torch.zeros(bucket, dtype=torch.long, device=device)
-        # The warm-up runs write column 0 and the DeltaNet states of the bucket's slots, some of which
-        # hold running requests: saved and restored.
-        saved = self._save_column_zero(bucket)
-        graph, static_logits = self._capture(lambda: self.runner.decode_step(static_tokens, static_positions),
-                                             f"the decode step for batch {bucket}")
-        self._restore(saved)
-        return graph, static_tokens, static_positions, static_logits
-
-    def _save_column_zero(self, bucket: int):
-        """The state that capture warm-ups overwrite: every slot's column 0 and its DeltaNet states."""
-        store = self.runner.store
-        return ({layer: (t[:bucket, :, 0].clone(), store.values[layer][:bucket, :, 0].clone()) for layer, t in store.keys.items()},
-                {layer: t[:bucket].clone() for layer, t in store.conv.items()},
-                {layer: t[:bucket].clone() for layer, t in store.recurrent.items()})
-
-    def _restore(self, saved) -> None:
-        store = self.runner.store
-        columns, conv, recurrent = saved
-        for layer, (keys, values) in columns.items():
-            bucket = keys.shape[0]
-            store.keys[layer][:bucket, :, 0] = keys
-            store.values[layer][:bucket, :, 0] = values
-        for layer, state in conv.items():
-            store.conv[layer][: state.shape[0]] = state
-        for layer, state in recurrent.items():
-            store.recurrent[layer][: state.shape[0]] = state

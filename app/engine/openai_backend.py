@@ -14,8 +14,17 @@ import time
 from typing import Iterator
 
 from app import limits
+from app.messages import (
+    MSG_COSTS_ON_SERVER,
+    MSG_EMPTY_REQUEST,
+    MSG_ENGINE_BROKE,
+    MSG_ENGINE_DOWN,
+    MSG_ENGINE_REFUSED,
+    MSG_ENGINE_SLOW,
+)
 from app.config import AppConfig
-from app.engine.manager import ModelInfo, ReplyUpdate, timing_stats
+from app.engine.api import ModelInfo, ReplyUpdate
+from app.engine.replies import timing_stats
 from app.engine.metrics import EngineMetrics
 from app.engine.settings import GenerationSettings
 from app.engine.stop_signal import StopSignal
@@ -100,7 +109,7 @@ class OpenAIEngine:
                                   visual_token_budget=self.config.visual_token_budget)
 
     def plan_images(self, paths: list[str], settings: GenerationSettings):
-        raise UserError(limits.MSG_COSTS_ON_SERVER)
+        raise UserError(MSG_COSTS_ON_SERVER)
 
     @property
     def active_generations(self) -> int:
@@ -139,7 +148,7 @@ class OpenAIEngine:
         import httpx
 
         if not messages or messages[-1]["role"] != "user":
-            raise UserError(limits.MSG_EMPTY_REQUEST)
+            raise UserError(MSG_EMPTY_REQUEST)
         requested_at = time.perf_counter()
         converted, frames = _openai_messages(messages, settings)
         prepared_at = time.perf_counter()
@@ -153,12 +162,9 @@ class OpenAIEngine:
                 if stop is not None:
                     stop.on_set(response.close)
                 if response.status_code >= 400:
-                    raise UserError(limits.MSG_ENGINE_REFUSED.format(
+                    raise UserError(MSG_ENGINE_REFUSED.format(
                         status=response.status_code, detail=response.read().decode(errors="replace")[:300]))
-                for line in response.iter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                        continue
-                    event = json.loads(line[len("data:"):])
+                for event in _events(response):
                     usage = event.get("usage") or usage
                     for choice in event.get("choices", []):
                         delta = choice.get("delta", {})
@@ -177,31 +183,43 @@ class OpenAIEngine:
             outcome = "stopped"
             raise
         except httpx.ConnectError as error:
-            raise UserError(limits.MSG_ENGINE_DOWN.format(url=self.base_url)) from error
+            raise UserError(MSG_ENGINE_DOWN.format(url=self.base_url)) from error
         except httpx.TimeoutException as error:
-            raise UserError(limits.MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
+            raise UserError(MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
         except (httpx.TransportError, httpx.StreamClosed, json.JSONDecodeError) as error:
             if stop is not None and stop.is_set:
                 outcome = "stopped"
                 return
-            raise UserError(limits.MSG_ENGINE_BROKE.format(url=self.base_url)) from error
+            raise UserError(MSG_ENGINE_BROKE.format(url=self.base_url)) from error
         finally:
             self.metrics.request_done(outcome)
             with self._running_lock:
                 self._running -= 1
-        stats = {
-            "visual_tokens": None,  # counted by the server
-            "image_tokens": [],
-            "video_tokens": None,
-            "video_frames": frames,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            # The server queues on its own side: from here, waiting is part of the time to first token.
-            **timing_stats(usage.get("completion_tokens", chunks), requested_at, prepared_at, prepared_at, first_at,
-                           time.perf_counter()),
-        }
+        stats = _stats(usage, frames, usage.get("completion_tokens", chunks), requested_at, prepared_at, first_at)
         yield ReplyUpdate(text=self._joined(reasoning, text), stats=stats)
 
     @staticmethod
     def _joined(reasoning: str, text: str) -> str:
         """Servers that split reasoning into its own field get it back as a <think> block for display."""
         return f"<think>{reasoning}</think>{text}" if reasoning else text
+
+
+def _events(response) -> Iterator[dict]:
+    """The server-sent events of a streamed chat completion, parsed."""
+    for line in response.iter_lines():
+        if line.startswith("data:") and line.strip() != "data: [DONE]":
+            yield json.loads(line[len("data:"):])
+
+
+def _stats(usage: dict, frames: int, new_tokens: int, requested_at: float, prepared_at: float,
+           first_at: float | None) -> dict:
+    """A reply's stats, from what the server reported (`usage`) and the times seen here."""
+    return {
+        "visual_tokens": None,  # counted by the server
+        "image_tokens": [],
+        "video_tokens": None,
+        "video_frames": frames,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        # The server queues on its own side: from here, waiting is part of the time to first token.
+        **timing_stats(new_tokens, requested_at, prepared_at, prepared_at, first_at, time.perf_counter()),
+    }

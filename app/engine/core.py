@@ -13,18 +13,21 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from app import limits
+from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.engine.batch_runner import BatchRunner, canvas_positions
+from app.model.runner import BatchRunner, canvas_positions
 from app.engine.inputs import PreparedInputs
-from app.engine.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
+from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
+from app.engine.replies import follow_reply, prepared_summary
 from app.engine.preparers import ProcessPreparer, ThreadPreparer, preparer_processes
-from app.engine.presets import find_preset
+from app.model.checkpoint.presets import find_preset
 from app.engine.scheduler import Request, Scheduler, release_gpu_memory
+from app.engine.api import ModelInfo, ReplyEvent, ReplyUpdate
 from app.engine.settings import GenerationSettings
 from app.engine.stop_signal import StopSignal
 from app.errors import Busy, UserError
@@ -33,77 +36,6 @@ from app.media.images import load_image
 from app.zerogpu import zero_gpu_enabled
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ReplyUpdate:
-    """The reply so far; `stats` is set on the last update only."""
-
-    text: str
-    notices: list[str] = field(default_factory=list)
-    opens_thinking: bool = False  # the prompt already opened a reasoning block: `text` starts inside it
-    stats: dict | None = None
-    waiting_ahead: int | None = None  # set while the request waits in line: requests ahead of it
-
-
-def timing_stats(new_tokens: int, requested_at: float, prepared_at: float, started_at: float,
-                 first_token_at: float | None, finished_at: float) -> dict:
-    """The timing part of a reply's stats, from perf_counter() readings; tokens_per_s is the decode rate."""
-    first = first_token_at or finished_at
-    decode_s = finished_at - first
-    return {
-        "new_tokens": new_tokens,
-        "ttft_ms": round((first - requested_at) * 1000, 1),
-        "preprocess_ms": round((prepared_at - requested_at) * 1000, 1),
-        "queue_ms": round((started_at - prepared_at) * 1000, 1),
-        "tokens_per_s": round((new_tokens - 1) / decode_s, 1) if new_tokens > 1 and decode_s > 0 else None,
-        "total_ms": round((finished_at - requested_at) * 1000, 1),
-    }
-
-
-def preparation_stages(requested_at: float, timeline: dict, prepared_at: float) -> dict:
-    """Where a request's preprocessing time went, in ms: reaching the preparer (in the engine's process,
-    a free preparing thread), waiting for a worker, the work itself, the way back from the worker, and
-    what follows (positions, the pixels staged on the GPU)."""
-    marks = [requested_at] + [timeline[stage] for stage in ("asked", "work_started", "work_done", "received")] + [prepared_at]
-    names = ("to_preparer", "for_a_worker", "work", "way_back", "staging")
-    return {name: round((end - start) * 1000, 1) for name, start, end in zip(names, marks, marks[1:])}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    path: str
-    model_type: str
-    device: str
-    dtype: str
-    parameters: int | None  # None for a model served elsewhere
-    weight_bytes: int | None
-    random_weights: bool
-    warmup_s: float | None
-    gpu_memory_bytes: int | None
-
-
-class _TextAssembler:
-    """Token ids in, text out: holds back a piece that ends inside a multi-byte character, and
-    re-decodes only the tokens since the last line break (decoding is not token-by-token separable)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.done_text = ""
-        self.line_tokens: list[int] = []
-
-    def add(self, token: int) -> None:
-        self.line_tokens.append(token)
-        line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True)
-        if line.endswith("\n"):
-            self.done_text += line
-            self.line_tokens = []
-
-    @property
-    def text(self) -> str:
-        line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True) if self.line_tokens else ""
-        return self.done_text + line.rstrip("\ufffd")
 
 
 class ModelManager:
@@ -226,7 +158,7 @@ class ModelManager:
         if preset is not None and not preset.native:
             raise UserError(preset.note)
         if not self.scheduler.pause(limits.SWITCH_WAIT_S):
-            raise UserError(limits.MSG_SWITCHING)
+            raise UserError(MSG_SWITCHING)
         previous = self.config
         failure = None
         try:
@@ -242,7 +174,7 @@ class ModelManager:
             self.scheduler.resume()
         self.warm_up()
         if failure is not None:
-            raise UserError(limits.MSG_SWITCH_FAILED.format(model=model, error=failure, current=previous.model)) from failure
+            raise UserError(MSG_SWITCH_FAILED.format(model=model, error=failure, current=previous.model)) from failure
         return {"freed_gpu_bytes": freed, "warmup_s": self.warmup_s}
 
     def _unload(self) -> int:
@@ -265,7 +197,7 @@ class ModelManager:
 
     def _wait_until_ready(self) -> None:
         if not self._ready.wait(limits.SWITCH_WAIT_S):
-            raise UserError(limits.MSG_SWITCHING)
+            raise UserError(MSG_SWITCHING)
 
     def info(self) -> ModelInfo:
         self._wait_until_ready()
@@ -288,8 +220,8 @@ class ModelManager:
 
     def profile_gpu(self, seconds: float) -> dict:
         """Where the GPU's time goes over the next `seconds` while requests are served as usual
-        (app/engine/gpu_profile.py; benchmarks/gpu_timeline.py reports it)."""
-        from app.engine import gpu_profile
+        (app/model/gpu_profile.py; benchmarks/gpu_timeline.py reports it)."""
+        from app.model import gpu_profile
 
         return gpu_profile.record(seconds, self.metrics.snapshot)
 
@@ -379,7 +311,7 @@ class ModelManager:
 
         def prepare_and_tell() -> PreparedInputs:  # again if the model was switched while the request waited
             prepared = self.prepare(messages, settings)
-            emit("prepared", prepared_summary(prepared, self.source.path, time.perf_counter()))
+            emit(ReplyEvent.PREPARED, prepared_summary(prepared, self.source.path, time.perf_counter()))
             return prepared
 
         try:
@@ -389,7 +321,7 @@ class ModelManager:
             self.scheduler.submit(request)
         except Busy as error:
             self.metrics.request_done("busy")
-            emit("refused", error)
+            emit(ReplyEvent.REFUSED, error)
             return None
         return request
 
@@ -402,7 +334,7 @@ class ModelManager:
         cancelled = threading.Event()
         if stop is not None:
             stop.on_set(cancelled.set)  # one still being prepared is not put in line
-            stop.on_set(lambda: events.put(("stopped", None)))
+            stop.on_set(lambda: events.put((ReplyEvent.STOPPED, None)))
         self.start(messages, settings, lambda kind, value: events.put((kind, value)), requested_at, cancelled)
 
         yield from follow_reply(events, lambda path: self.processor.tokenizer, requested_at,
@@ -414,108 +346,3 @@ class ModelManager:
         cancelled.set()
         if outcome != "busy":  # counted when refused
             self.metrics.request_done(outcome)
-
-
-def prepared_summary(prepared: PreparedInputs, model_path: str, prepared_at: float) -> dict:
-    """What a reply's updates and stats need to know of its prepared inputs (small and picklable)."""
-    return {
-        "model_path": model_path,  # whose tokenizer turns the reply's tokens into text
-        "notices": list(prepared.notices),
-        "opens_thinking": prepared.opens_thinking,
-        "prepared_at": prepared_at,
-        "timeline": dict(prepared.timeline),
-        "counts": {  # the reply's stats start with these
-            "visual_tokens": prepared.visual_tokens,
-            "image_tokens": prepared.image_tokens,
-            "video_tokens": prepared.video_tokens,
-            "video_frames": prepared.video_frames,
-            "prompt_tokens": prepared.prompt_tokens,
-        },
-    }
-
-
-def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], object], requested_at: float,
-                 close: Callable[[str], None], wait_for_events: Callable[[], None] | None = None) -> Iterator[ReplyUpdate]:
-    """A request's events turned into reply updates, its tokens into text by `tokenizer_for(model path)`;
-    `close(outcome)` runs when the reply ends or is dropped; `wait_for_events`, if given, is called while
-    no event is there (inline mode drives the scheduler).
-
-    Events: ("prepared", prepared_summary), ("place", requests ahead), ("tokens", [ids]), ("end", timing),
-    ("refused", UserError: the line is full), ("error", exception) and ("stopped", None) (the caller's
-    StopSignal: the reply ends with no last update). The same loop serves a request run
-    in this process and one run in the engine process (app.engine.engine_process).
-    """
-    outcome = "stopped"
-    prepared = first_received_at = None
-    try:
-        while True:
-            while wait_for_events is not None and events.empty():
-                wait_for_events()
-            kind, value = events.get()
-            if kind == "prepared":
-                prepared, text = value, _TextAssembler(tokenizer_for(value["model_path"]))
-            elif kind == "refused":
-                outcome = "busy"
-                raise value
-            elif kind == "error":
-                outcome = "error"
-                raise as_user_error(value)
-            elif kind == "place":
-                yield ReplyUpdate(text="", waiting_ahead=value)
-            elif kind == "tokens":
-                first_received_at = first_received_at or time.perf_counter()
-                for token in value:
-                    text.add(token)
-                if events.empty():  # else the consumer fell behind (a busy web server): one update for all
-                    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
-            elif kind == "end":
-                break
-            elif kind == "stopped":  # the caller's StopSignal
-                return
-        outcome = "finished"
-    finally:
-        close(outcome)
-    stats = dict(prepared["counts"])
-    stats.update(timing_stats(value["new_tokens"], requested_at, prepared["prepared_at"], value["started_at"],
-                              value["first_token_at"], time.perf_counter()))
-    stats["preparation_ms"] = preparation_stages(requested_at, prepared["timeline"], prepared["prepared_at"])
-    if first_received_at is not None:  # how long the first token took to come here from the engine's loop
-        stats["first_token_delivery_ms"] = round((first_received_at - value["first_token_at"]) * 1000, 1)
-    stats["requested_at"] = round(time.time() - (time.perf_counter() - requested_at), 3)  # Unix time
-    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats)
-
-
-def as_user_error(error: BaseException) -> UserError:
-    """The message a user sees for a failure of their request."""
-    if isinstance(error, UserError):
-        return error
-    import torch
-
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return UserError(limits.MSG_OUT_OF_MEMORY)
-    log.error("Generation failed", exc_info=error)
-    return UserError(limits.MSG_GENERATION_FAILED.format(error=f"{type(error).__name__}: {error}"))
-
-
-_manager: ModelManager | None = None
-_manager_lock = threading.Lock()
-
-
-def get_manager(config: AppConfig | None = None):
-    """The process-wide manager; the first call creates it from `config` (a local model, or an OpenAI server)."""
-    global _manager
-    with _manager_lock:
-        if _manager is None:
-            if config is None:
-                raise RuntimeError("the model manager has not been created yet")
-            if config.backend == "openai":
-                from app.engine.openai_engine import OpenAIEngine
-
-                _manager = OpenAIEngine(config)
-            elif config.engine_process and not zero_gpu_enabled():  # on ZeroGPU the GPU exists only in this process
-                from app.engine.engine_process import EngineProcess
-
-                _manager = EngineProcess(config)
-            else:
-                _manager = ModelManager(config)
-        return _manager

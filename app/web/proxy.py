@@ -1,4 +1,4 @@
-"""The public address in front of several web processes (app.web_processes): an HTTP proxy that keeps
+"""The public address in front of several web processes (app.web.processes): an HTTP proxy that keeps
 each Gradio session on one web process.
 
 A Gradio session lives in the process that serves it: its state, its queue of events, the stream of its
@@ -7,7 +7,7 @@ or the JSON body, or in the path of the heartbeat), and so does an upload's prog
 proxy sends requests that name the same key to the same process (by a hash of the key). The REST API's
 POST /call hands out an event id and names no session; the proxy tags that id with its process
 (`abc.w1`), so the GET that follows it finds the process whichever proxy process takes it (several can
-share the address: app.web_processes.Fronts). Everything else (the page, its assets, uploads, files,
+share the address: app.web.processes.Fronts). Everything else (the page, its assets, uploads, files,
 /metrics) goes to the processes in turn: they share the upload folder and one engine process.
 
 A web process that dies is started again (seconds later). Meanwhile the sessions it held are gone, and the
@@ -29,7 +29,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from app import limits
+from app.messages import MSG_WEB_PROCESS_DOWN
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class MovedSessions:
     SLOTS = 1 << 17  # 1 MiB
 
     def __init__(self, context=multiprocessing):
-        # Made by the fronts' parent (app.web_processes.Fronts) and handed to each front as it starts.
+        # Made by the fronts' parent (app.web.processes.Fronts) and handed to each front as it starts.
         self.table = context.RawArray(ctypes.c_uint64, self.SLOTS)
 
     def get(self, key: str) -> int | None:
@@ -178,7 +178,7 @@ class Front:
         key = routing_key(scope["path"], request.query_params, body)
         incoming, index = await self._send_on(request, body, key)
         if incoming is None:
-            await PlainTextResponse(limits.MSG_WEB_PROCESS_DOWN, status_code=502)(scope, receive, send)
+            await PlainTextResponse(MSG_WEB_PROCESS_DOWN, status_code=502)(scope, receive, send)
             return
         response_headers = [(name, value) for name, value in incoming.headers.raw if name.lower() not in _HOP_BY_HOP]
         if request.method == "POST" and incoming.status_code == 200 and _HANDS_OUT_EVENT_IDS.search(scope["path"]):
@@ -331,7 +331,7 @@ class EventsInProgress:
 
     def farewell(self) -> bytes:
         """The messages that end every event in progress (self.open) with MSG_WEB_PROCESS_DOWN, then the stream."""
-        error = {"error": limits.MSG_WEB_PROCESS_DOWN, "duration": None, "visible": True, "title": "Error"}
+        error = {"error": MSG_WEB_PROCESS_DOWN, "duration": None, "visible": True, "title": "Error"}
         if self.rest:
             return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
         messages = [{"msg": "process_completed", "event_id": event_id, "output": error, "success": False,

@@ -10,21 +10,17 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from app import limits
+from app.messages import MSG_MODEL_TYPE_NOT_SERVED, MSG_MODEL_UNAVAILABLE, MSG_TRANSFORMERS_TOO_OLD
 from app.config import TINY_RANDOM
 from app.engine.inputs import load_processor
-from app.engine.presets import FIRST_TRANSFORMERS, SERVED_MODEL_TYPES, UNSERVED_MODEL_TYPES
-from app.engine.quantized import complete_quantization_config, load_in_4bit_config
-from app.errors import UserError
+from app.model.checkpoint.presets import FIRST_TRANSFORMERS, SERVED_MODEL_TYPES, UNSERVED_MODEL_TYPES
+from app.model.checkpoint.quantized import complete_quantization_config, load_in_4bit_config
+from app.errors import ModelUnavailable, UserError
 
 log = logging.getLogger(__name__)
 
 # What a checkpoint needs to load; skips extra formats (GGUF, ONNX) that some repos also carry.
 _CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"]
-
-
-class ModelUnavailable(UserError):
-    """The model cannot be found locally nor fetched: the app cannot start."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +42,7 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
 
 def resolve_model(name: str) -> ModelSource:
     if name == TINY_RANDOM:
-        from app.engine.random_checkpoint import ensure_tiny_checkpoint
+        from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
 
         return ModelSource(name=name, path=ensure_tiny_checkpoint(), random_weights=True)
     if os.path.isdir(name):
@@ -62,12 +58,12 @@ def resolve_model(name: str) -> ModelSource:
     # Without this check huggingface_hub retries for about half a minute before failing.
     if offline or not _hub_reachable():
         reason = "HF_HUB_OFFLINE is set" if offline else "the Hub is unreachable"
-        raise ModelUnavailable(limits.MSG_MODEL_UNAVAILABLE.format(model=name, reason=reason))
+        raise ModelUnavailable(MSG_MODEL_UNAVAILABLE.format(model=name, reason=reason))
     log.info("Downloading %s from the Hugging Face Hub", name)
     try:
         path = snapshot_download(name, allow_patterns=_CHECKPOINT_FILES)
     except Exception as error:
-        raise ModelUnavailable(limits.MSG_MODEL_UNAVAILABLE.format(model=name, reason=str(error).splitlines()[0])) from error
+        raise ModelUnavailable(MSG_MODEL_UNAVAILABLE.format(model=name, reason=str(error).splitlines()[0])) from error
     return ModelSource(name=name, path=path)
 
 
@@ -97,7 +93,7 @@ def _declared_model_type(path: str) -> str:
 
 def _not_served(model_type: str) -> ModelUnavailable:
     reason = UNSERVED_MODEL_TYPES.get(model_type, "the engine knows the MiniCPM-V 4.6 and 4.7 layouts only")
-    return ModelUnavailable(limits.MSG_MODEL_TYPE_NOT_SERVED.format(model_type=model_type, reason=reason))
+    return ModelUnavailable(MSG_MODEL_TYPE_NOT_SERVED.format(model_type=model_type, reason=reason))
 
 
 def load_model_and_processor(source: ModelSource, device: str, dtype, attn_implementation: str,
@@ -115,7 +111,7 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
             raise _not_served(model_type) from error
         needed = f"; it needs transformers >= {FIRST_TRANSFORMERS[model_type]}" if model_type in FIRST_TRANSFORMERS else ""
         log.info("AutoConfig could not read %s: %s", source.path, error)
-        raise ModelUnavailable(limits.MSG_TRANSFORMERS_TOO_OLD.format(
+        raise ModelUnavailable(MSG_TRANSFORMERS_TOO_OLD.format(
             installed=transformers.__version__, model=source.name, model_type=model_type, needed=needed)) from error
     if config.model_type not in SERVED_MODEL_TYPES:
         raise _not_served(config.model_type)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from app import limits
+from app.messages import MSG_PROFILE_NEEDS_CUDA, MSG_PROFILE_SECONDS
 from app.errors import UserError
 
 # Kernel names -> kind, first match wins (cuBLAS/cuBLASLt, cuDNN and flash attention, Triton's).
@@ -159,9 +160,9 @@ def record(seconds: float, read_counters) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     if not 0 < seconds <= limits.PROFILE_GPU_MAX_S:
-        raise UserError(limits.MSG_PROFILE_SECONDS.format(max=limits.PROFILE_GPU_MAX_S))
+        raise UserError(MSG_PROFILE_SECONDS.format(max=limits.PROFILE_GPU_MAX_S))
     if not torch.cuda.is_available():
-        raise UserError(limits.MSG_PROFILE_NEEDS_CUDA)
+        raise UserError(MSG_PROFILE_NEEDS_CUDA)
     # A first short profile starts CUPTI outside the window: its start stalled the GPU's work (the first
     # 2 s window at 200 users, 2026-12-01, saw a third of the engine's tokens/s).
     with profile(activities=[ProfilerActivity.CUDA]):

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused vision tower: each does in one launch what app.engine.vision_ops does in
+"""Triton kernels of the fused vision tower: each does in one launch what app.model.vision.ops does in
 PyTorch in several (see there for what each computes). Math in fp32, one rounding at the end.
 
 Imported only on CUDA; tests run these kernels on the CPU through Triton's interpreter.
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from app.engine import text_kernels
+from app.model.text import kernels as text_kernels
 
 
 def add_layer_norm(x, residual, weight, bias, eps):

@@ -1,0 +1,1 @@
+"""Finding, loading, quantizing and building checkpoints."""

@@ -1,0 +1,199 @@
+"""CUDA graphs of the decode step (one per batch-size bucket) and of small text prefills (waves of 1, 2 or 4
+prompts up to 1,024 tokens): even fused, a step is a chain of a few hundred small kernels, and launching
+them from Python would cost more than running them. Captured at warm-up, replayed while serving, and
+captured again only when the slot store moves its tensors (app.model.batch_cache)."""
+
+import functools
+import logging
+from typing import Callable
+
+import torch
+
+
+log = logging.getLogger(__name__)
+
+# Batch sizes a captured decode step exists for; a batch runs in the smallest bucket that holds it.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Prefill waves a captured text prefill exists for (waves have 2^k prompts): their prompts' count, and
+# the lengths they are front-padded to, at most the store's reserved columns (a longer one would grow
+# the store, and so recapture every graph). Larger waves are bound by the GPU, not by launches.
+PREFILL_GRAPH_ROWS = (1, 2, 4)
+PREFILL_GRAPH_LENGTHS = (64, 128, 256, 512, 768, 1024)
+
+
+@functools.cache
+def capture_stream():
+    """The one side stream every capture runs on, for the life of the process. cuBLAS keeps a workspace
+    for each stream it has run on and never frees it (32 MiB on an H200): with a new stream per capture,
+    0.87 GiB stayed allocated after a model switch unloaded everything (benchmarks/RESULTS.md)."""
+    return torch.cuda.Stream()
+
+
+class GraphSet:
+    """Captured CUDA graphs of one kind, in one memory pool, valid while the store keeps its tensors."""
+
+    def __init__(self, runner):  # app.model.runner.BatchRunner
+        self.runner = runner
+        self.pool = None
+        self.captured: dict = {}
+        self.store_generation = None
+
+    def clear(self) -> None:
+        self.captured.clear()
+        self.pool = None
+
+    def _drop_if_stale(self) -> None:
+        """Forget every capture if the store has moved its tensors since they were made."""
+        if self.store_generation != self.runner.store.generation:
+            self.clear()
+            self.store_generation = self.runner.store.generation
+
+    def _capture(self, run: Callable[[], torch.Tensor], name: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`run` captured as a CUDA graph in this set's pool, with its output tensor. Two warm-up runs first,
+        on the capture's side stream as capture requires (kernels tuned per shape run their tuning then,
+        outside the capture)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        started = torch.cuda.Event(enable_timing=True)
+        ended = torch.cuda.Event(enable_timing=True)
+        started.record()
+        stream = capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # Thread-local: request threads copy pixels to the GPU meanwhile (stage_media), on their own stream.
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            output = run()
+        ended.record()
+        torch.cuda.synchronize()
+        log.info("Captured %s in %.0f ms", name, started.elapsed_time(ended))
+        return graph, output
+
+
+class PrefillGraphs(GraphSet):
+    """The fused text prefill of small waves captured as a CUDA graph per (prompts, padded length).
+
+    A lone prompt's text prefill is about a thousand kernels, launched from Python: 28-37 ms on an H200
+    for about 4 ms of GPU work (flash-linear-attention's chunked delta rule alone goes through autograd,
+    autocast and input checks 18 times; benchmarks/RESULTS.md). Replayed, the launches cost next to
+    nothing. The prompts are front-padded with zero embeddings to the bucket's length
+    (FusedTextModel.prefill_padded): their padding is computed but changes nothing, and the GPU had
+    time to spare.
+    """
+
+    given_up = False  # a capture failed: every prefill is launched from Python
+
+    def capture_all(self, max_rows: int) -> None:
+        """Capture every bucket that fits the store now, each with a throwaway prompt into the first slots."""
+        hidden = self.runner.embed.embedding_dim
+        dtype = self.runner.embed.weight.dtype
+        for rows in PREFILL_GRAPH_ROWS:
+            for length in PREFILL_GRAPH_LENGTHS:
+                if rows <= max_rows and not self.given_up:
+                    self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.runner.device), [1] * rows, 0,
+                             length)
+
+    def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int,
+            length: int | None = None) -> torch.Tensor | None:
+        """FusedTextModel.prefill's logits through a captured graph (captured now if need be), or None
+        where no bucket holds the wave or capturing failed. `length`: the bucket's, rather than the smallest
+        that holds it."""
+        if self.given_up:
+            return None
+        length = length or next((size for size in PREFILL_GRAPH_LENGTHS if size >= max(lengths)), None)
+        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > self.runner.store.column_capacity:
+            return None
+        self._drop_if_stale()
+        rows = len(lengths)
+        captured = self.captured.get((rows, length))
+        if captured is None:
+            device = self.runner.device
+            static_embeddings = torch.zeros((rows * length, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
+            static_places = torch.zeros(2 * rows, dtype=torch.long, device=device)  # padding, then slots
+        else:
+            static_embeddings, static_places, graph, static_logits = captured
+        pads = [length - size for size in lengths]
+        static_places.copy_(torch.tensor(pads + list(range(first_slot, first_slot + rows))).pin_memory(),
+                            non_blocking=True)
+        static_embeddings.zero_()
+        padded, start = static_embeddings.view(rows, length, -1), 0
+        for row, (pad, size) in enumerate(zip(pads, lengths)):
+            padded[row, pad:] = embeddings[start:start + size]
+            start += size
+        if captured is None:
+            # The warm-up runs write these prompts' own (free) slots, as the replay does next.
+            try:
+                graph, static_logits = self._capture(
+                    lambda: self.runner.fused.prefill_padded(static_embeddings, static_places[:rows],
+                                                             static_places[rows:]),
+                    f"the prefill of {rows} prompts of up to {length} tokens")
+            except RuntimeError as error:  # a kernel that cannot be captured (a library's new version, say)
+                log.warning("The prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
+                self.given_up = True
+                return None
+            self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
+            # The warm-up runs may have made the store's layers (its first prefill): no earlier capture can
+            # have existed then, and this one uses them.
+            self.store_generation = self.runner.store.generation
+        graph.replay()
+        return static_logits
+
+
+class DecodeGraphs(GraphSet):
+    """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
+
+    Padding rows decode a dummy token in free slots (their state is overwritten when a request takes
+    the slot). Growing the store recaptures.
+    """
+
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        store = self.runner.store
+        bucket = next((size for size in GRAPH_BUCKETS if size >= n), None)
+        if bucket is None:  # beyond the largest bucket: no graph, still correct
+            return self.runner.decode_step(tokens.to(store.device), store.lengths[:n].clone())
+        store.reserve(bucket, store.column_capacity)
+        self._drop_if_stale()
+        if bucket not in self.captured:
+            self.captured[bucket] = self._capture_bucket(bucket)
+        graph, static_tokens, static_positions, static_logits = self.captured[bucket]
+        static_tokens.zero_()
+        static_tokens[:n] = tokens
+        static_positions.zero_()
+        static_positions[:n] = store.lengths[:n]
+        graph.replay()
+        return static_logits[:n]
+
+    def _capture_bucket(self, bucket: int):
+        device = self.runner.device
+        static_tokens = torch.zeros(bucket, dtype=torch.long, device=device)
+        static_positions = torch.zeros(bucket, dtype=torch.long, device=device)
+        # The warm-up runs write column 0 and the DeltaNet states of the bucket's slots, some of which
+        # hold running requests: saved and restored.
+        saved = self._save_column_zero(bucket)
+        graph, static_logits = self._capture(lambda: self.runner.decode_step(static_tokens, static_positions),
+                                             f"the decode step for batch {bucket}")
+        self._restore(saved)
+        return graph, static_tokens, static_positions, static_logits
+
+    def _save_column_zero(self, bucket: int):
+        """The state that capture warm-ups overwrite: every slot's column 0 and its DeltaNet states."""
+        store = self.runner.store
+        return ({layer: (t[:bucket, :, 0].clone(), store.values[layer][:bucket, :, 0].clone()) for layer, t in store.keys.items()},
+                {layer: t[:bucket].clone() for layer, t in store.conv.items()},
+                {layer: t[:bucket].clone() for layer, t in store.recurrent.items()})
+
+    def _restore(self, saved) -> None:
+        store = self.runner.store
+        columns, conv, recurrent = saved
+        for layer, (keys, values) in columns.items():
+            bucket = keys.shape[0]
+            store.keys[layer][:bucket, :, 0] = keys
+            store.values[layer][:bucket, :, 0] = values
+        for layer, state in conv.items():
+            store.conv[layer][: state.shape[0]] = state
+        for layer, state in recurrent.items():
+            store.recurrent[layer][: state.shape[0]] = state

@@ -1,0 +1,117 @@
+"""Where media pixels and the vision tower's work meet the GPU's streams: pixels staged on the GPU ahead of
+their wave (pinned host memory, copied on a side stream), a wave's media encoded on a stream of its own
+beside the decode steps (MediaEncoding), and the scheduler's own high-priority stream."""
+
+import contextlib
+import functools
+import threading
+from typing import Callable
+
+import torch
+
+from app import limits
+
+
+class MediaEncoding:
+    """A wave's visual features (encode_media's list), computed at once or still being computed on the
+    vision stream; `events` (started, done) there, `seconds` the time taken where known at once."""
+
+    def __init__(self, features: list, events: tuple | None, seconds: float | None):
+        self._features, self._events, self._seconds = features, events, seconds
+
+    def ready(self, wait: bool) -> bool:
+        """Whether the features are computed; with `wait`, once they are (the host waits for the GPU)."""
+        if self._events is None:
+            return True
+        if wait:
+            self._events[1].synchronize()
+            return True
+        return self._events[1].query()
+
+    @property
+    def seconds(self) -> float:
+        """The encoding's time, once ready (on CUDA the vision stream's, alongside other work)."""
+        return self._seconds if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1000
+
+    def features(self) -> list[torch.Tensor | None]:
+        """The features, for use on the current stream (which waits for them, without the host waiting)."""
+        if self._events is not None:
+            stream = torch.cuda.current_stream(self._events[1].device)
+            stream.wait_event(self._events[1])
+            for feature in self._features:
+                if feature is not None:
+                    feature.record_stream(stream)  # made on the vision stream: not to be reused before this use
+        return self._features
+
+
+class StagedPixels:
+    """A request's pixels copied to the GPU on the staging stream (BatchRunner.stage_media)."""
+
+    def __init__(self, tensor: torch.Tensor, copied, release: Callable[[], None]):
+        self.tensor, self.copied = tensor, copied
+        self._release = release
+
+    def on_device(self) -> torch.Tensor:
+        """The pixels, once the current stream has waited for their copy (the host does not wait)."""
+        stream = torch.cuda.current_stream(self.tensor.device)
+        stream.wait_event(self.copied)
+        self.tensor.record_stream(stream)  # the allocator must not hand its memory out before this use
+        return self.tensor
+
+    def __del__(self):
+        self._release()
+
+
+class PixelStaging:
+    """The side stream pixels are copied on, and how many bytes wait on the GPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.limit = limits.STAGED_PIXELS_MB * 2**20
+        self.staged = 0
+        self._lock = threading.Lock()
+
+    def stage(self, pixels: torch.Tensor) -> StagedPixels | None:
+        size = pixels.numel() * pixels.element_size()
+        with self._lock:
+            if self.staged + size > self.limit:
+                return None
+            self.staged += size
+        with torch.cuda.stream(self.stream):
+            tensor = pixels.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return StagedPixels(tensor, copied, functools.partial(self._release, size))
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self.staged -= size
+
+
+@contextlib.contextmanager
+def matmuls_leaving_sms(count: int):
+    """cuBLAS's matrix products launched meanwhile use all SMs but `count` (0: all)."""
+    if not count:
+        yield
+        return
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(count)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+
+
+@functools.cache
+def vision_stream(device) -> torch.cuda.Stream:
+    """The stream media are encoded on, one for the life of the process (see app.model.cuda_graphs.capture_stream), at the
+    default priority, which is the lowest: the vision tower takes what the decode steps leave of the GPU."""
+    return torch.cuda.Stream(device)
+
+
+@functools.cache
+def serving_stream(device) -> torch.cuda.Stream:
+    """The scheduler's stream for prefills and decode steps, one for the life of the process, at the
+    highest priority: a decode step's thread blocks go before the vision tower's waiting ones."""
+    return torch.cuda.Stream(device, priority=-100)  # beyond the range: its highest

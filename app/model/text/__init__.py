@@ -1,0 +1,1 @@
+"""The text model: fused (Triton kernels with PyTorch references) beside transformers' layers."""

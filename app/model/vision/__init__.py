@@ -1,0 +1,1 @@
+"""The vision tower: fused (Triton kernels with PyTorch references) beside transformers' modules."""

@@ -1,0 +1,1 @@
+"""The web side: Gradio's server, the web processes and their proxy, uploads, the login. Never imports torch."""
