@@ -100,7 +100,7 @@ FUSED_VISION_TOWER = _limit("FUSED_VISION_TOWER", 1)
 MEDIA_ALONGSIDE_DECODING = _limit("MEDIA_ALONGSIDE_DECODING", 1)
 # SMs that the vision tower's matrix products leave free while replies decode beside a wave (cuBLAS's SM
 # carve-out, experimental in PyTorch): the products otherwise fill every SM, and decode steps wait. On an
-# H200 at 200 users, 66 (half) gave 8-26% more tokens/s and a later first token (benchmarks/RESULTS.md):
+# H200 at 200 users, 66 (half) gave 8-26% more tokens/s and a later first token (docs/DECISIONS.md D25):
 # off by default, as a chat's users weigh the first token most.
 VISION_SM_CARVEOUT = _limit("VISION_SM_CARVEOUT", 0)
 STAGED_PIXELS_MB = _limit("STAGED_PIXELS_MB", 2048)  # waiting requests' pixels copied to the GPU ahead of their wave
@@ -112,8 +112,7 @@ WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 # H200 a first token's way from the scheduler to its consumer took 419-444 ms at p95 at 5 ms, 3.5-328
 # ms at 0.5 ms (four runs; tokens/s did not change). In a web process Gradio writes an upload to disk
 # chunk by chunk, each chunk through a thread: a 5.4 MB PNG's upload beside one busy thread took 235 ms
-# at 5 ms and 72 at 0.5 (67 alone; dev machine). benchmarks/RESULTS.md, "Night run (2026-12-01, 20:27
-# UTC)" and "Uploads beside busy threads".
+# at 5 ms and 72 at 0.5 (67 alone; dev machine). docs/DECISIONS.md D14.
 SWITCH_INTERVAL_S = _limit("SWITCH_INTERVAL_S", 0.0005)
 # A reply's stats say how long its preprocessing waited for a free preparer (a busy server) from this long.
 PREPARATION_WAIT_SHOWN_MS = 50

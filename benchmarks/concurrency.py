@@ -296,7 +296,7 @@ def main() -> None:
     from app import limits
 
     # The users' threads here take their replies' tokens as a web process's do, so at its switch
-    # interval (at Python's 5 ms the first token's delivery p95 was 132-328 ms, RESULTS.md "Night run").
+    # interval (at Python's 5 ms the first token's delivery p95 was 132-328 ms, docs/DECISIONS.md D14).
     sys.setswitchinterval(limits.SWITCH_INTERVAL_S)
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     levels = [int(level) for level in args.levels.split(",")]

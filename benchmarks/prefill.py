@@ -1,6 +1,6 @@
 """Where a prefill wave's time goes: the vision tower against the text model, by wave size, and the kernels.
 
-At 50-200 users the scheduler spends most of its time prefilling newcomers (benchmarks/RESULTS.md), so
+At 50-200 users the scheduler spends most of its time prefilling newcomers (docs/DECISIONS.md D22), so
 this times the two halves of a wave exactly as the scheduler runs them (BatchRunner.encode_media, then
 BatchRunner.prefill; the fused vision tower and text model against transformers' modules too, with
 their features and next tokens compared, and a small wave's captured text prefill against the same

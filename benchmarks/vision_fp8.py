@@ -2,7 +2,7 @@
 output channel of weights, through torch._scaled_mm), at the shapes of a wave of 1344x1344 images
 (10,240 patches each before the window merger, 2,560 after): what FP8 would save, and its error against
 fp32. Also the cost of quantizing activations with PyTorch operations. On CUDA (compute capability 8.9+).
-benchmarks/RESULTS.md ("Midday run") has why the app does not use it.
+docs/DECISIONS.md D26 ("Midday run") has why the app does not use it.
 
     python benchmarks/vision_fp8.py --images 16
 """

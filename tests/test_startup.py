@@ -80,7 +80,7 @@ def test_matplotlib_never_picks_a_backend_in_the_event_loop(server_url):
 
 def test_a_web_server_hands_the_gil_over_often(config, manager):
     """An upload's chunks each wait for the GIL in a web process: at Python's 5 ms they waited in line
-    behind busy threads (benchmarks/RESULTS.md, "Uploads beside busy threads")."""
+    behind busy threads (docs/DECISIONS.md D14)."""
     from dataclasses import replace
 
     from app import limits

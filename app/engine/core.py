@@ -64,7 +64,7 @@ class ModelManager:
         if self._on_cuda:
             # The model runs on the GPU: this process's own tensor work is small index lists, which torch's
             # pool of a thread per core made slower while it kept 15 threads spinning (1.1 cores at 200
-            # users on a 16-core H200 box, benchmarks/RESULTS.md), cores the preparers need.
+            # users on a 16-core H200 box, docs/DECISIONS.md D13), cores the preparers need.
             import torch
 
             torch.set_num_threads(1)
@@ -121,7 +121,7 @@ class ModelManager:
         # What is loaded by now (modules, the model, kernels: 483,000 objects with the tiny model) stays: out
         # of the collector's full collections, which otherwise walk it all: 0.46-0.49 s on the dev machine,
         # a 0.3 s stop of every stream in the engine process on an H200 box at 200 users (benchmarks/
-        # RESULTS.md, "Morning run (2026-12-02)"). _unload unfreezes it, for the old model's cycles.
+        # docs/DECISIONS.md D15). _unload unfreezes it, for the old model's cycles.
         gc.freeze()
         return self.warmup_s
 

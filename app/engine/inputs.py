@@ -114,7 +114,7 @@ def _uint8_slices(image_processor, images: list, do_resize: bool, resample, do_r
     slices, cut into patches the same way, left in uint8. The method as shipped turns every slice into
     float32 before rescaling and normalizing, which are off here; without that conversion and the one
     back, preparing a 1344x1344 PNG took 46.5 ms on a core of an H200 box (62.2 before, on another box of
-    the same kind; benchmarks/RESULTS.md)."""
+    the same kind; docs/DECISIONS.md D11)."""
     import torch
     from transformers.image_processing_utils import BatchFeature
     from transformers.image_transforms import divide_to_patches

@@ -3,7 +3,7 @@
 Preparing one 1344x1344 image takes about 75 ms of CPU, much of it Python holding the GIL. In the
 engine's process that time is taken from the scheduler thread that drives the GPU, and however many
 cores the machine has, one process prepares about one request at a time: at 200 users on an H200 the
-preparation waited 3.6 s at the median (benchmarks/RESULTS.md). So on a GPU box requests are prepared
+preparation waited 3.6 s at the median (docs/DECISIONS.md D7). So on a GPU box requests are prepared
 in worker processes, each with its own processor. A worker writes the pixels into one of a few
 shared-memory buffers made at start (`PixelSlots`), and everything else comes back by value through
 the pool's pipe. On the CPU, where the cores run the model, a few threads of the engine's process do it.

@@ -4,7 +4,7 @@ Why: the scheduler thread drives the GPU through many short torch calls, and giv
 waits to take it back at each. Sharing one process with Gradio's event loop, hundreds of streaming
 handlers and the text decoding of every reply, it waited for the GIL longer than for the GPU: on an H200
 a decode step of 11.8 ms took 32.8 ms in-process at 200 users, 41 ms through the app
-(benchmarks/RESULTS.md). So, as vLLM splits its API server from its engine core, the engine process
+(docs/DECISIONS.md D1). So, as vLLM splits its API server from its engine core, the engine process
 holds the model, the scheduler and the preparation of inputs (images decoded and sliced, prompts
 rendered); the web process keeps the UI, turns token ids into text and follows each reply.
 

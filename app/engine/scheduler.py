@@ -12,7 +12,7 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
    before, which the host reads while this one runs. The next step's input is the last one's output,
    already on the GPU, so the GPU need not wait for the host's bookkeeping between steps: on an H200 a
    lone reply's step takes 1.22 ms in the scheduler (1.45-1.60 before) against 1.16-1.17 for the captured
-   step alone (benchmarks/RESULTS.md, "Evening run (2026-12-01, 18:28 UTC)"). Nothing between two launches
+   step alone (docs/DECISIONS.md D19). Nothing between two launches
    may wait for the GPU (app.model.transfers). A request that ended at the step handed out is in the step running and gets
    no more tokens from it; before anyone joins or leaves, the step in flight is handed out. So a request
    stopped by its caller is in at most two more steps, where it was in one.

@@ -13,7 +13,7 @@ from app.errors import UserError
 from app.media.files import check_local_file
 
 # Decoded by torchvision (libjpeg-turbo, libpng) straight into the tensor the image processor takes:
-# half PIL's time for a 1344x1344 photo, and no PIL image to convert (benchmarks/RESULTS.md).
+# half PIL's time for a 1344x1344 photo, and no PIL image to convert (docs/DECISIONS.md D11).
 _TENSOR_DECODED_FORMATS = ("JPEG", "PNG")
 
 

@@ -25,7 +25,7 @@ PREFILL_GRAPH_LENGTHS = (64, 128, 256, 512, 768, 1024)
 def capture_stream():
     """The one side stream every capture runs on, for the life of the process. cuBLAS keeps a workspace
     for each stream it has run on and never frees it (32 MiB on an H200): with a new stream per capture,
-    0.87 GiB stayed allocated after a model switch unloaded everything (benchmarks/RESULTS.md)."""
+    0.87 GiB stayed allocated after a model switch unloaded everything (docs/DECISIONS.md D18)."""
     return torch.cuda.Stream()
 
 
@@ -78,7 +78,7 @@ class PrefillGraphs(GraphSet):
 
     A lone prompt's text prefill is about a thousand kernels, launched from Python: 28-37 ms on an H200
     for about 4 ms of GPU work (flash-linear-attention's chunked delta rule alone goes through autograd,
-    autocast and input checks 18 times; benchmarks/RESULTS.md). Replayed, the launches cost next to
+    autocast and input checks 18 times; docs/DECISIONS.md D17). Replayed, the launches cost next to
     nothing. The prompts are front-padded with zero embeddings to the bucket's length
     (FusedTextModel.prefill_padded): their padding is computed but changes nothing, and the GPU had
     time to spare.

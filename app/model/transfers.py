@@ -13,7 +13,7 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
     A plain copy to a GPU from pageable memory synchronizes the stream: whatever was launched on it (a
     decode step, a prefill) would have to end before the host could go on. Choosing tokens that way
-    undid the scheduler's pipelining (benchmarks/RESULTS.md, "Evening run (2026-12-01, 18:28 UTC)").
+    undid the scheduler's pipelining (docs/DECISIONS.md D19).
     Through pinned memory the copy is queued behind that work like any kernel."""
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":

@@ -3,7 +3,7 @@
 Why: one web process's Python is the limit of the app path under load. On an H200 at 200 users the one
 web process ran at 0.8 of a core (Gradio's uploads, queue and server-sent events, and the text of 200
 streaming replies) while the GPU was busy 66% of the time, and the app delivered 2,635 tokens/s where the
-engine called from a script delivered 4,066 (benchmarks/RESULTS.md). Gradio serves a session from one
+engine called from a script delivered 4,066 (docs/DECISIONS.md D28). Gradio serves a session from one
 process, so the processes cannot simply share a port: app.web.proxy sends each session to its own process.
 
 Layout, all started here: the engine process (app.engine.process, listening on a local socket),
@@ -158,7 +158,7 @@ class Fronts(ChildProcesses):
     Why more than one: every byte of every upload and every streamed message of every user passes through
     the proxy. On the dev machine it spends about 12 ms of CPU on one 5.4 MB upload (a web process 25); a
     burst of 200 users' uploads is then seconds of one process's work, whatever the web processes' count
-    (benchmarks/RESULTS.md, "Early-morning run (2026-12-02, 01:14 UTC)").
+    (docs/DECISIONS.md D29).
     The socket is bound here, once: a port already taken fails here, clearly, and the processes inherit it.
     """
 

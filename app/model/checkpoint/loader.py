@@ -130,6 +130,6 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
     model.eval()
     if str(device).startswith("cuda"):
         # cuDNN's attention builds a graph for every new sequence length it meets (per thread): on an H200
-        # replies whose length was new decoded at 72-94 ms/token with it, 32-45 without (benchmarks/RESULTS.md).
+        # replies whose length was new decoded at 72-94 ms/token with it, 32-45 without (docs/DECISIONS.md D23).
         torch.backends.cuda.enable_cudnn_sdp(False)
     return model, processor

@@ -2,7 +2,7 @@
 inside it and the final merger, over any number of images' slices (and video frames) packed back to back.
 
 Through transformers' modules (app.model.vision.tower tunes them) the tower was 84% of a prefill
-wave's GPU time on an H200 (benchmarks/RESULTS.md), and for one image a chain of small launches. Here:
+wave's GPU time on an H200 (docs/DECISIONS.md D22), and for one image a chain of small launches. Here:
 - the patch convolution is one matrix product over patches cut by a view, with the conv's bias and
   the position embeddings (one table, added once at load) as the product's C input;
 - a layer is seven kernels: residual add + layer norm (one kernel, twice), the q/k/v projections as one
