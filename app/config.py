@@ -1,11 +1,14 @@
-"""Command-line options of the demo; each one can also be set by an environment variable (for Spaces)."""
+"""Command-line options of the demo, each of which can also be set by an environment variable (for Spaces),
+and the limits and tuning knobs that environment variables set (apply_environment): the one place that
+reads the app's environment."""
 
 import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
 
-from app import limits
+from app import limits, tuning
+from app.errors import UserError
 
 DEFAULT_MODEL = "openbmb/MiniCPM-V-4.6"
 TINY_RANDOM = "tiny-random"
@@ -55,9 +58,23 @@ def serving_slots(config: AppConfig) -> int:
 
 def handler_slots(config: AppConfig) -> int:
     """Generating requests Gradio runs at once: the engine's batch and wait line, and room beyond them
-    (limits.BUSY_HEADROOM) for a crowd to reach the engine together and be told at once that it is busy,
+    (tuning.BUSY_HEADROOM) for a crowd to reach the engine together and be told at once that it is busy,
     so that the engine's line is the only one."""
-    return serving_slots(config) + limits.BUSY_HEADROOM
+    return serving_slots(config) + tuning.BUSY_HEADROOM
+
+
+def apply_environment(environ=os.environ) -> None:
+    """Set each limit and tuning knob named in app.limits and app.tuning's FROM_ENVIRONMENT from its
+    MINICPMV_<NAME> variable, or back to its default where that is unset. Every process runs this as it
+    starts (app.startup.start_process); nothing reads these variables at import."""
+    for module in (limits, tuning):
+        for name, default in module.FROM_ENVIRONMENT.items():
+            value = environ.get(f"MINICPMV_{name}", "")
+            try:
+                setattr(module, name, type(default)(value) if value != "" else default)
+            except ValueError:
+                kind = "a whole number" if isinstance(default, int) else "a number"
+                raise UserError(f"MINICPMV_{name}={value!r} is not {kind}") from None
 
 
 # (flag, field, environment variable, type, help)
@@ -90,7 +107,7 @@ _OPTIONS = [
      "--allow-model-switch, --in-process-engine or --backend openai."),
     ("--front-processes", "front_processes", "MINICPMV_FRONT_PROCESSES", int,
      "With --web-processes above 1: processes relaying the public address's traffic to the web processes; "
-     f"0: one for every {limits.WEB_PROCESSES_PER_FRONT} web processes."),
+     f"0: one for every {tuning.WEB_PROCESSES_PER_FRONT} web processes."),
     ("--max-batch-size", "max_batch_size", "MINICPMV_MAX_BATCH_SIZE", int,
      "Requests decoded together in one batch (each costs GPU memory for its state: about 19 MB plus 12 KB "
      "per token at the 4.6 shape)."),
@@ -143,8 +160,8 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--auth takes USER:PASSWORD, both non-empty")
     if args.web_processes < 1:
         parser.error("--web-processes is 1 or more")
-    if not 1 <= args.max_new_tokens <= limits.MAX_NEW_TOKENS:
-        parser.error(f"--max-new-tokens is 1 to {limits.MAX_NEW_TOKENS} (MINICPMV_MAX_NEW_TOKENS_LIMIT)")
+    if not 1 <= args.max_new_tokens <= limits.MAX_NEW_TOKENS_LIMIT:
+        parser.error(f"--max-new-tokens is 1 to {limits.MAX_NEW_TOKENS_LIMIT} (MINICPMV_MAX_NEW_TOKENS_LIMIT)")
     if args.max_batch_size < 1:
         parser.error("--max-batch-size is 1 or more")
     if args.queue_size < 0:

@@ -6,13 +6,18 @@ import sys
 
 from app.config import parse_config
 from app.engine.backends import load_manager
-from app.errors import ModelUnavailable
+from app.errors import ModelUnavailable, UserError
+from app.startup import start_process
 
 log = logging.getLogger("app")
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        start_process()
+    except UserError as error:  # a limit's variable that is not a number
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     config = parse_config(argv)
     try:
         if config.web_processes > 1:

@@ -262,6 +262,9 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
     parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
@@ -293,11 +296,11 @@ def main() -> None:
     from app.engine.core import ModelManager
     from app.engine.settings import GenerationSettings
 
-    from app import limits
+    from app import tuning
 
     # The users' threads here take their replies' tokens as a web process's do, so at its switch
     # interval (at Python's 5 ms the first token's delivery p95 was 132-328 ms, docs/DECISIONS.md D14).
-    sys.setswitchinterval(limits.SWITCH_INTERVAL_S)
+    sys.setswitchinterval(tuning.SWITCH_INTERVAL_S)
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     levels = [int(level) for level in args.levels.split(",")]
     config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine,

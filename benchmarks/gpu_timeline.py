@@ -36,6 +36,9 @@ def served(start: dict, end: dict, seconds: float) -> dict:
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
     parser.add_argument("--users", type=int, default=200)

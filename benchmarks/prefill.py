@@ -44,6 +44,9 @@ def timed(synchronize, function, runs: int) -> tuple[float, object]:
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint instead of the real-shape random one")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])

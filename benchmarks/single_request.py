@@ -29,6 +29,9 @@ from benchmarks.report import write_json  # noqa: E402
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint (folder or Hub id) instead of the real-shape random one")
     parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 while loading (CUDA)")

@@ -24,6 +24,9 @@ def gib(count: int | None) -> float | None:
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="the checkpoint served first (default: the real-shape random one)")
     parser.add_argument("--to", help="the checkpoint switched to (default: the first one again)")

@@ -18,7 +18,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from app.config import AppConfig  # noqa: E402
+from app.config import AppConfig, apply_environment  # noqa: E402
+
+apply_environment()  # as every process of the app does when it starts (app.startup), for the servers run here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")

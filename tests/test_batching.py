@@ -221,21 +221,24 @@ def test_8_users_share_under_100_decode_steps_and_double_the_throughput(manager,
                              ("image", make_image(tmp_path, f"u{i}.png", (64, 64), (30 * i, 60, 90))))
                      for i in range(8)}
     settings = greedy(48)
-    started = time.perf_counter()
-    alone = {key: reply(manager, messages, settings) for key, messages in conversations.items()}
-    one_after_another = 8 * 48 / (time.perf_counter() - started)
+    # Each way twice, taking turns, and the faster of the two: a shared CI machine's stalls land on one run.
+    one_after_another = concurrent = 0.0
+    for _ in range(2):
+        started = time.perf_counter()
+        alone = {key: reply(manager, messages, settings) for key, messages in conversations.items()}
+        one_after_another = max(one_after_another, 8 * 48 / (time.perf_counter() - started))
 
-    steps_before, tokens_before = manager.metrics.decode_steps, manager.metrics.tokens_generated
-    started = time.perf_counter()
-    together = all_at_once(manager, conversations, settings)
-    concurrent = 8 * 48 / (time.perf_counter() - started)
-    steps = manager.metrics.decode_steps - steps_before
+        steps_before, tokens_before = manager.metrics.decode_steps, manager.metrics.tokens_generated
+        started = time.perf_counter()
+        together = all_at_once(manager, conversations, settings)
+        concurrent = max(concurrent, 8 * 48 / (time.perf_counter() - started))
+        steps = manager.metrics.decode_steps - steps_before
     print(f"8 users x 48 tokens: {steps} decode steps; {concurrent:.0f} tok/s together "
           f"vs {one_after_another:.0f} tok/s one after another ({concurrent / one_after_another:.1f}x)")
     assert together == alone
     assert manager.metrics.tokens_generated - tokens_before == 8 * 48
     assert steps < 100
-    assert concurrent >= 2 * one_after_another
+    assert concurrent >= 2 * one_after_another, f"{concurrent:.0f} tok/s together, {one_after_another:.0f} one after another"
 
 
 def test_metrics_endpoint_speaks_prometheus(server_url, client, red_image):
@@ -273,7 +276,7 @@ def test_inline_scheduler_for_zero_gpu_serves_from_the_callers_threads(manager, 
 
 def test_prefill_waves_are_powers_of_two_within_the_token_budget():
     """Few prefill shapes (kernels are built per shape on CUDA): 1, 2, 4, 8... requests, padding counted."""
-    from app import limits
+    from app import tuning
     from app.engine.inputs import PreparedInputs
     from app.engine.metrics import EngineMetrics
     from app.engine.scheduler import Request, Scheduler
@@ -294,7 +297,7 @@ def test_prefill_waves_are_powers_of_two_within_the_token_budget():
     assert [len(wave) for wave in waves] == [16, 4, 2, 1]
     assert [request for wave in waves for request in wave] == crowd  # first come, first served
 
-    budget = limits.PREFILL_TOKENS_PER_STEP
+    budget = tuning.PREFILL_TOKENS_PER_STEP
     long_one, *short_ones = [submit(budget - 100)] + [submit(50) for _ in range(3)]
     assert scheduler._next_admissions(wait=False) == [long_one]  # padding would overflow the budget
     assert scheduler._next_admissions(wait=False) == short_ones[:2]
@@ -302,7 +305,7 @@ def test_prefill_waves_are_powers_of_two_within_the_token_budget():
 
 
 def test_warm_up_runs_every_wave_shape_and_leaves_the_engine_as_it_was(manager, tmp_path, monkeypatch):
-    from app import limits
+    from app import tuning
 
     conversation = user("What is this?", ("image", make_image(tmp_path, "w.png", (300, 200), (30, 90, 200))))
     before = reply(manager, conversation, greedy(16))
@@ -313,13 +316,13 @@ def test_warm_up_runs_every_wave_shape_and_leaves_the_engine_as_it_was(manager, 
                       (2, 64), (2, 128), (2, 192), (2, 256), (4, 64), (4, 128)]
     # The store is left with a whole batch's slots, so that serving that batch does not grow it (on CUDA
     # each growth would capture the decode step again).
-    assert runner.store.slot_capacity == 4 and runner.store.column_capacity >= limits.RESERVED_COLUMNS
+    assert runner.store.slot_capacity == 4 and runner.store.column_capacity >= tuning.RESERVED_COLUMNS
     generation = runner.store.generation
     assert all_at_once(manager, {key: conversation for key in range(4)}, greedy(16)) == dict.fromkeys(range(4), before)
     assert runner.store.generation == generation
 
     # Through the manager (as the warm-up runs it on CUDA): the scheduler is paused around it, then serves.
-    monkeypatch.setattr(limits, "PREFILL_TOKENS_PER_STEP", 256)
+    monkeypatch.setattr(tuning, "PREFILL_TOKENS_PER_STEP", 256)
     manager._warm_up_shapes()
     assert reply(manager, conversation, greedy(16)) == before
 
@@ -335,12 +338,12 @@ def test_warm_up_runs_every_wave_shape_and_leaves_the_engine_as_it_was(manager, 
 def test_replies_are_updated_less_often_when_many_stream_at_once(manager, tmp_path, monkeypatch):
     """All replies together stay near STREAM_UPDATES_PER_S updates a second (the web server's load), and
     each still gets its text whole."""
-    from app import limits
+    from app import tuning
     from app.engine.scheduler import stream_update_interval
 
-    assert stream_update_interval(1) == limits.STREAM_UPDATE_INTERVAL_S
-    assert stream_update_interval(200) == 200 / limits.STREAM_UPDATES_PER_S
-    monkeypatch.setattr(limits, "STREAM_UPDATES_PER_S", 4)  # 4 replies: one update a second each
+    assert stream_update_interval(1) == tuning.STREAM_UPDATE_INTERVAL_S
+    assert stream_update_interval(200) == 200 / tuning.STREAM_UPDATES_PER_S
+    monkeypatch.setattr(tuning, "STREAM_UPDATES_PER_S", 4)  # 4 replies: one update a second each
     conversations = {i: user(f"User {i}, describe the picture.",
                              ("image", make_image(tmp_path, f"s{i}.png", (64, 64), (60 * i, 90, 30))))
                      for i in range(4)}

@@ -105,8 +105,8 @@ def test_files_and_functions_are_of_a_readable_size():
 ])
 def test_the_default_reply_length_and_its_cap_are_two_variables(environment, cap, default):
     """MINICPMV_MAX_NEW_TOKENS once set both the default and the cap: raising the default lowered the cap."""
-    script = ("from app import limits; from app.config import parse_config; "
-              "print(limits.MAX_NEW_TOKENS, parse_config([]).max_new_tokens)")
+    script = ("from app import limits; from app.config import apply_environment, parse_config; apply_environment(); "
+              "print(limits.MAX_NEW_TOKENS_LIMIT, parse_config([]).max_new_tokens)")
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**os.environ, **environment})
     assert result.stdout.split() == [str(cap), str(default)], result.stderr[-2000:]
@@ -117,3 +117,57 @@ def test_a_default_reply_longer_than_the_cap_is_refused_in_one_line():
                             text=True, timeout=120, env={**os.environ, "MINICPMV_MAX_NEW_TOKENS_LIMIT": "300"})
     assert result.returncode == 2 and "--max-new-tokens is 1 to 300" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# The main function of each kind of process the app starts (app.startup's docstring lists them).
+PROCESS_MAINS = {"app/main.py": "main", "app/engine/process.py": "serve", "app/web/processes.py": "_serve_web",
+                 "app/engine/preparers.py": "_load_processor"}
+
+
+def test_every_kind_of_process_starts_through_one_routine():
+    """Signals, logging, the environment's knobs, the GIL interval and torch's threads are set in
+    app.startup.start_process, which every process's main calls first; nowhere else."""
+    mains = dict(PROCESS_MAINS, **{"app/web/processes.py#front": "_serve_front"})
+    for where, name in mains.items():
+        tree = ast.parse((ROOT / where.split("#")[0]).read_text())
+        function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name)
+        calls = {node.func.id for node in ast.walk(function) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        assert "start_process" in calls, f"{where}: {name} does not call start_process"
+    setters = ("setswitchinterval", "basicConfig", "freeze")
+    for name, path in app_modules().items():
+        if name == "app.startup":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in setters:
+                raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} calls {node.func.attr} outside app.startup")
+
+
+def test_nothing_reads_the_environment_at_import():
+    """Importing every module of app/ reads no environment variable from app/'s own code (the limits and
+    knobs are read by app.config.apply_environment, when a process starts)."""
+    script = (
+        "import collections.abc, os, sys, traceback\n"
+        "reads = []\n"
+        "class Watched(collections.abc.MutableMapping):\n"
+        "    def __init__(self, real): self.real = real\n"
+        "    def _note(self, key):\n"
+        "        for frame, _ in traceback.walk_stack(sys._getframe(2)):\n"  # the reader: past os.getenv and Mapping.get
+        "            if frame.f_code.co_filename.endswith(('os.py', '_collections_abc.py')): continue\n"
+        f"            if frame.f_code.co_filename.startswith({str(APP)!r}):\n"
+        "                reads.append((frame.f_code.co_filename, frame.f_lineno, key))\n"
+        "            return\n"
+        "    def __getitem__(self, key): self._note(key); return self.real[key]\n"
+        "    def __setitem__(self, key, value): self.real[key] = value\n"
+        "    def __delitem__(self, key): del self.real[key]\n"
+        "    def __iter__(self): return iter(self.real)\n"
+        "    def __len__(self): return len(self.real)\n"
+        "    def get(self, key, default=None): self._note(key); return self.real.get(key, default)\n"
+        "    def copy(self): return dict(self.real)\n"
+        "os.environ = Watched(os.environ)\n"
+        f"for name in sorted({sorted(app_modules())!r}):\n"
+        "    __import__(name)\n"
+        "print(reads)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-3000:]

@@ -6,8 +6,6 @@ import sys
 import time
 import urllib.request
 
-import pytest
-
 from tests.conftest import ROOT, free_port
 
 
@@ -78,20 +76,28 @@ def test_matplotlib_never_picks_a_backend_in_the_event_loop(server_url):
     assert os.environ.get("MPLBACKEND") == "agg"
 
 
-def test_a_web_server_hands_the_gil_over_often(config, manager):
-    """An upload's chunks each wait for the GIL in a web process: at Python's 5 ms they waited in line
-    behind busy threads (docs/DECISIONS.md D14)."""
-    from dataclasses import replace
+def test_every_process_hands_the_gil_over_often_and_freezes_what_it_started_with():
+    """An upload's chunks each wait for the GIL in a web process, and the engine's token consumers in the
+    engine process: at Python's 5 ms they waited in line behind busy threads (docs/DECISIONS.md D14).
+    Every kind of process starts through app.startup, which also reads the environment's knobs."""
+    from app import tuning
 
-    from app import limits
-    from app.web.server import launch
+    script = ("import gc, sys; from app.startup import start_process, started; from app import limits; "
+              "start_process('web 0', torch_threads=1); started(); "
+              "print(sys.getswitchinterval(), gc.get_freeze_count() > 0, limits.MAX_IMAGES_PER_REQUEST)")
+    default = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert default.stdout.split() == [str(tuning.SWITCH_INTERVAL_S), "True", "16"], default.stderr[-2000:]
+    assert tuning.SWITCH_INTERVAL_S < 0.005
+    env = {**os.environ, "MINICPMV_SWITCH_INTERVAL_S": "0.002", "MINICPMV_MAX_IMAGES_PER_REQUEST": "3"}
+    changed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert changed.stdout.split() == ["0.002", "True", "3"], changed.stderr[-2000:]
 
-    sys.setswitchinterval(0.005)
-    demo = launch(replace(config, port=free_port()), manager, prevent_thread_lock=True, quiet=True)
-    try:
-        assert limits.SWITCH_INTERVAL_S < 0.005 and sys.getswitchinterval() == pytest.approx(limits.SWITCH_INTERVAL_S)
-    finally:
-        demo.close()
+
+def test_a_limit_that_is_not_a_number_is_refused_in_one_line():
+    result = subprocess.run([sys.executable, "app.py", "--model", "tiny-random"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "MINICPMV_MAX_IMAGE_PIXELS": "lots"})
+    assert result.returncode == 2 and "MINICPMV_MAX_IMAGE_PIXELS='lots' is not a whole number" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_batch_or_line_size_that_cannot_serve_is_refused_in_one_line():

@@ -5,7 +5,6 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from app import limits
 from app.model.vision import tower as vision_tower
 from app.model.runner import BatchRunner
 from app.engine.inputs import load_processor, normalized_pixels, prepare_inputs
@@ -85,13 +84,14 @@ def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "transformers' modules"])
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
 def test_tower_gives_the_models_own_features(config, fused, tmp_path, monkeypatch):
+    from app import tuning
     """Images of three sizes (slices of several sizes side by side) in both downsample modes, and a video:
     the fused tower (app.model.vision.fused), and transformers' modules as app.model.vision.tower tunes
     them (grouped attention, precomputed layout, one-pass merger), against the model as shipped. In float64,
     so that only a difference in the computation shows (in float32 the fused tower's matrix products,
     merged and with the position embeddings as their C input, round differently: up to 1.3e-5 at
     features up to 20)."""
-    monkeypatch.setattr(limits, "FUSED_VISION_TOWER", int(fused))
+    monkeypatch.setattr(tuning, "FUSED_VISION_TOWER", int(fused))
     folder = str(tmp_path / "checkpoint")
     build_random_checkpoint(folder, config)
     processor = AutoProcessor.from_pretrained(folder)

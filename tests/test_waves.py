@@ -2,12 +2,12 @@
 
 import pytest
 
-from app import limits
+from app import tuning
 from app.engine.waves import padded_length, wave_size
 
 
 def test_prompts_are_padded_to_the_length_multiple():
-    multiple = limits.PREFILL_LENGTH_MULTIPLE
+    multiple = tuning.PREFILL_LENGTH_MULTIPLE
     assert [padded_length(n) for n in (1, multiple, multiple + 1)] == [multiple, multiple, 2 * multiple]
 
 
@@ -30,7 +30,7 @@ def test_a_wave_takes_from_the_front_what_the_slots_and_the_budget_hold_in_a_pow
 
 def test_the_longest_prompt_so_far_sets_the_padding_of_the_whole_wave():
     """Short prompts behind a long one are padded to it: fewer of them fit."""
-    long = 4 * limits.PREFILL_LENGTH_MULTIPLE
+    long = 4 * tuning.PREFILL_LENGTH_MULTIPLE
     short = 1
     assert wave_size([long] + [short] * 10, 32, 8 * long) == 8
     assert wave_size([short] * 10 + [long], 32, 8 * long) == 8

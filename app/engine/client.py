@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from typing import Iterator
 
-from app import limits
+from app import limits, tuning
 from app.messages import MSG_ENGINE_PROCESS_DOWN, MSG_ENGINE_PROCESS_LOST
 from app.config import AppConfig
 from app.engine.replies import follow_reply
@@ -240,8 +240,8 @@ class EngineConnection(EngineClient):
         self.address, self.key = address, key
 
     def load(self) -> None:
-        """Connect; waits up to limits.ENGINE_CONNECT_TIMEOUT_S for the engine process to listen."""
-        deadline = time.monotonic() + limits.ENGINE_CONNECT_TIMEOUT_S
+        """Connect; waits up to tuning.ENGINE_CONNECT_TIMEOUT_S for the engine process to listen."""
+        deadline = time.monotonic() + tuning.ENGINE_CONNECT_TIMEOUT_S
         while True:
             try:
                 connection = multiprocessing.connection.Client(self.address, authkey=self.key)

@@ -10,13 +10,12 @@ at the next step.
 import gc
 import logging
 import queue
-import sys
 import threading
 import time
 from dataclasses import replace
 from typing import Callable, Iterator
 
-from app import limits
+from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
 from app.model.runner import BatchRunner, canvas_positions
@@ -68,7 +67,6 @@ class ModelManager:
             import torch
 
             torch.set_num_threads(1)
-        sys.setswitchinterval(limits.SWITCH_INTERVAL_S)
         dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.processor = load_model_and_processor(
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code,
@@ -111,18 +109,16 @@ class ModelManager:
 
             one_reply()
             # No wave larger than the batch and its wait line together, which would be refused as busy.
-            for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in limits.WARM_UP_WAVES}):
+            for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in tuning.WARM_UP_WAVES}):
                 with ThreadPoolExecutor(wave) as pool:
                     list(pool.map(one_reply, range(wave)))
         if self.scheduler.runner.graphs is not None:
             self._warm_up_shapes()
         self.warmup_s = time.perf_counter() - started
         log.info("Warm-up took %.2f s", self.warmup_s)
-        # What is loaded by now (modules, the model, kernels: 483,000 objects with the tiny model) stays: out
-        # of the collector's full collections, which otherwise walk it all: 0.46-0.49 s on the dev machine,
-        # a 0.3 s stop of every stream in the engine process on an H200 box at 200 users (benchmarks/
-        # docs/DECISIONS.md D15). _unload unfreezes it, for the old model's cycles.
-        gc.freeze()
+        # What is loaded by now (modules, the model, kernels: 483,000 objects with the tiny model): 0.46-0.49 s
+        # a full collection on the dev machine. _unload unfreezes it, for the old model's cycles.
+        startup.started()
         return self.warmup_s
 
     def _warm_up_shapes(self) -> None:
@@ -134,7 +130,7 @@ class ModelManager:
             return
         try:
             with torch.inference_mode():
-                shapes = self.scheduler.runner.warm_up_shapes(self.config.max_batch_size, limits.PREFILL_TOKENS_PER_STEP)
+                shapes = self.scheduler.runner.warm_up_shapes(self.config.max_batch_size, tuning.PREFILL_TOKENS_PER_STEP)
             log.info("Warmed up %d prefill shapes and the decode step up to batch %d", len(shapes), self.config.max_batch_size)
         except Exception as error:  # out of memory on a small card, say: serve anyway, kernels build on first use
             log.error("The warm-up of every batch shape stopped; serving without it", exc_info=error)

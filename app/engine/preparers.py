@@ -12,14 +12,13 @@ the pool's pipe. On the CPU, where the cores run the model, a few threads of the
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context, parent_process
 
-from app import limits
+from app import tuning
 from app.engine.inputs import PreparedInputs, load_processor, prepare_inputs
 from app.engine.settings import GenerationSettings
 
@@ -44,7 +43,7 @@ class ThreadPreparer:
     def __init__(self, processor, pixel_dtype=None):
         self.processor = processor
         self.pixel_dtype = pixel_dtype
-        self._slots = threading.BoundedSemaphore(limits.PREPARE_CONCURRENCY)
+        self._slots = threading.BoundedSemaphore(tuning.PREPARE_CONCURRENCY)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
         with self._slots:
@@ -81,7 +80,7 @@ class ProcessPreparer:
         for future in [self._pool.submit(os.getpid) for _ in range(workers)]:
             future.result()
         for _ in range(workers):
-            ready.get(timeout=limits.PREPARER_START_TIMEOUT_S)
+            ready.get(timeout=tuning.PREPARER_START_TIMEOUT_S)
         log.info("Inputs are prepared in %d worker processes", workers)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int) -> PreparedInputs:
@@ -110,10 +109,10 @@ class PixelSlots:
     for 6 MB in the worker), and its file descriptor is passed over a socket. On the engine's side that
     is several waits for its GIL, each as long as Python's switch interval when another thread holds it.
     The round trip of 6 MB of pixels took 21 ms alone and 152 ms beside a busy thread
-    (benchmarks/worker_hop.py), while small data by value took 0.7 and 34. The buffers are made once and
+    (benchmarks/experiments/worker_hop.py), while small data by value took 0.7 and 34. The buffers are made once and
     reach every worker at its start; a request then writes into a free one and only its place comes back.
     A whole preparation through a worker, dev machine: 64-74 ms against 73-83 alone, 145-160 against
-    191-230 beside a busy thread (benchmarks/pixel_slots.py).
+    191-230 beside a busy thread (benchmarks/experiments/pixel_slots.py).
     """
 
     def __init__(self, buffers: list):
@@ -155,11 +154,10 @@ _slot_buffers: list = []  # the PixelSlots' buffers, as this worker sees them
 
 def _load_processor(path: str, trust_remote_code: bool, ready, slot_buffers: list) -> None:
     global _processor, _slot_buffers
-    import torch
+    from app.startup import start_process
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches every process of the terminal: the engine stops us
+    start_process("preparer", torch_threads=1)  # many workers side by side: one core each
     threading.Thread(target=_exit_with_parent, daemon=True).start()
-    torch.set_num_threads(1)  # many workers side by side: one core each
     _processor = load_processor(path, trust_remote_code)
     _slot_buffers = slot_buffers
     ready.put(os.getpid())

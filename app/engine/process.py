@@ -32,11 +32,11 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from app.config import AppConfig
+from app.startup import start_process
 from app.engine.replies import as_user_error
 from app.engine.api import ReplyEvent
 from app.errors import UserError
@@ -47,8 +47,7 @@ log = logging.getLogger(__name__)
 def serve(config: AppConfig, connection, listen: tuple[str, bytes] | None = None) -> None:
     """The engine process's main: load the model, then serve its parent (and, with `listen`, the web
     processes that connect) until the parent goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the parent stops us
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    start_process("engine")
     from app.engine.core import ModelManager  # here, not at import: the web side imports this module's serve
 
     manager = ModelManager(config)

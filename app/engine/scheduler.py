@@ -3,7 +3,7 @@
 Continuous batching with joins at step boundaries. One scheduler thread loops:
 
 1. admit waiting requests, first come first served, while slots are free: a wave of 1, 2, 4, 8...
-   requests holding at most limits.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so the GPU
+   requests holding at most tuning.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so the GPU
    kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
    of its own, so that the running replies' decode steps can go on meanwhile: see app.model.runner);
 2. once a wave's media are encoded, prefill its requests together into their slots
@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app import limits
+from app import tuning
 from app.messages import MSG_BUSY, MSG_SAMPLING_FAILED
 from app.model.streams import MediaEncoding
 from app.engine.inputs import PreparedInputs
@@ -218,7 +218,7 @@ class Scheduler:
             count = 0
             if self._can_admit():
                 count = wave_size((request.prepared.prompt_tokens for request in self._waiting),
-                                  self.max_batch - len(self._running), limits.PREFILL_TOKENS_PER_STEP)
+                                  self.max_batch - len(self._running), tuning.PREFILL_TOKENS_PER_STEP)
             admitted = [self._waiting.popleft() for _ in range(count)]
             for place, request in enumerate(self._waiting):
                 if request.place != place:
@@ -324,7 +324,7 @@ class Scheduler:
         """Hand each request that has not ended its token."""
         now = time.perf_counter()
         # The clock and the update interval once a step, not once a request: this loop runs for every
-        # running request at every step, on the thread that launches the GPU's work (benchmarks/scheduler_step.py,
+        # running request at every step, on the thread that launches the GPU's work (benchmarks/experiments/scheduler_step.py,
         # 200 requests, a dev core: 0.8 ms, 1.1-1.5 before).
         interval = stream_update_interval(len(self._running))
         for request, token in zip(requests, tokens):
@@ -380,7 +380,7 @@ class Scheduler:
 
 def stream_update_interval(running: int) -> float:
     """Seconds between two updates of one reply while `running` replies stream (see STREAM_UPDATES_PER_S)."""
-    return max(limits.STREAM_UPDATE_INTERVAL_S, running / limits.STREAM_UPDATES_PER_S)
+    return max(tuning.STREAM_UPDATE_INTERVAL_S, running / tuning.STREAM_UPDATES_PER_S)
 
 
 def fail(requests: list[Request], error: Exception) -> None:

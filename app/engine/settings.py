@@ -37,7 +37,7 @@ class GenerationSettings:
         return updated
 
     def check(self) -> None:
-        _in_range("max_new_tokens", self.max_new_tokens, 1, limits.MAX_NEW_TOKENS)
+        _in_range("max_new_tokens", self.max_new_tokens, 1, limits.MAX_NEW_TOKENS_LIMIT)
         _in_range("min_new_tokens", self.min_new_tokens, 0, self.max_new_tokens)
         _in_range("temperature", self.temperature, 0.0, 5.0)
         if self.do_sample and self.temperature < limits.MIN_SAMPLING_TEMPERATURE:

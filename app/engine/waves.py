@@ -2,12 +2,12 @@
 
 from collections.abc import Iterable
 
-from app import limits
+from app import tuning
 
 
 def padded_length(tokens: int) -> int:
     """Row length of a prefill wave whose longest prompt has `tokens` tokens (see PREFILL_LENGTH_MULTIPLE)."""
-    multiple = limits.PREFILL_LENGTH_MULTIPLE
+    multiple = tuning.PREFILL_LENGTH_MULTIPLE
     return -(-tokens // multiple) * multiple
 
 

@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from app import limits
+from app import tuning
 from app.messages import MSG_PROFILE_NEEDS_CUDA, MSG_PROFILE_SECONDS
 from app.errors import UserError
 
@@ -159,8 +159,8 @@ def record(seconds: float, read_counters) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    if not 0 < seconds <= limits.PROFILE_GPU_MAX_S:
-        raise UserError(MSG_PROFILE_SECONDS.format(max=limits.PROFILE_GPU_MAX_S))
+    if not 0 < seconds <= tuning.PROFILE_GPU_MAX_S:
+        raise UserError(MSG_PROFILE_SECONDS.format(max=tuning.PROFILE_GPU_MAX_S))
     if not torch.cuda.is_available():
         raise UserError(MSG_PROFILE_NEEDS_CUDA)
     # A first short profile starts CUPTI outside the window: its start stalled the GPU's work (the first

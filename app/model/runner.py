@@ -12,7 +12,7 @@ waves are bound by matrix products, the decode step by memory: run one after the
 reply stalled for each wave (100-400 ms), and the GPU did one kind of work at a time. Side by side they
 still mostly take turns: cuBLAS's products keep their thread blocks on every SM until they end, so a
 decode step waits for each (2 steps in a 16-image wave of 157 ms on an H200), unless the products are
-told to leave SMs free (limits.VISION_SM_CARVEOUT; benchmarks/side_by_side.py).
+told to leave SMs free (tuning.VISION_SM_CARVEOUT; benchmarks/experiments/side_by_side.py).
 """
 
 import contextlib
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from app import limits
+from app import tuning
 from app.model.cuda_graphs import GRAPH_BUCKETS, DecodeGraphs, PrefillGraphs
 from app.model.streams import MediaEncoding, PixelStaging, StagedPixels, matmuls_leaving_sms, serving_stream, vision_stream
 from app.model.batch_cache import DecodeCache, PrefillCache, SlotStore
@@ -61,14 +61,14 @@ class BatchRunner:
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         self.graphs = DecodeGraphs(self) if use_cuda_graphs else None
-        self.fused = fused_text_model_for(model, self.store) if limits.FUSED_TEXT_MODEL else None
+        self.fused = fused_text_model_for(model, self.store) if tuning.FUSED_TEXT_MODEL else None
         self.prefill_graphs = PrefillGraphs(self) if use_cuda_graphs and self.fused is not None else None
-        self.fused_vision = fused_vision_tower_for(model) if limits.FUSED_VISION_TOWER else None
+        self.fused_vision = fused_vision_tower_for(model) if tuning.FUSED_VISION_TOWER else None
         # Not with use_cuda_graphs=False either: on ZeroGPU the GPU exists only inside the callers' functions.
         self._staging = PixelStaging(self.device) if use_cuda_graphs and self.device.type == "cuda" else None
         # The scheduler's stream for prefills and decode steps; None: the thread's current one.
         self.serving_stream = (serving_stream(self.device) if use_cuda_graphs and self.device.type == "cuda"
-                               and limits.MEDIA_ALONGSIDE_DECODING else None)
+                               and tuning.MEDIA_ALONGSIDE_DECODING else None)
         self.pixel_dtype = model.model.vision_tower.dtype
         self._normalizations: dict[tuple, torch.Tensor] = {}  # pixel normalization on the device
         if self.fused_vision is None:
@@ -85,7 +85,7 @@ class BatchRunner:
         so that its prefill wave finds them there. Copied in the wave, from pageable memory (the
         pixels come from the preparing workers through shared memory), each copy held up the GPU and
         the scheduler's thread: 25 ms of a 32-image wave's 404 on an H200. At most
-        limits.STAGED_PIXELS_MB wait on the GPU at once; others are copied in their wave."""
+        tuning.STAGED_PIXELS_MB wait on the GPU at once; others are copied in their wave."""
         if self._staging is None:
             return
         for key in PIXEL_KEYS:
@@ -98,13 +98,13 @@ class BatchRunner:
     def encode_media_ahead(self, batch: list[tuple[dict, str]], decoding: bool) -> "MediaEncoding":
         """encode_media, on CUDA launched on the vision stream without waiting for it: the features are
         ready when the returned MediaEncoding says so. Elsewhere computed at once. `decoding`: replies
-        decode meanwhile, and the tower's matrix products leave them limits.VISION_SM_CARVEOUT SMs."""
+        decode meanwhile, and the tower's matrix products leave them tuning.VISION_SM_CARVEOUT SMs."""
         if self.serving_stream is None:
             started = time.perf_counter()
             features = self.encode_media(batch)
             return MediaEncoding(features, None, time.perf_counter() - started)
         stream = vision_stream(self.device)
-        with torch.cuda.stream(stream), matmuls_leaving_sms(limits.VISION_SM_CARVEOUT if decoding else 0):
+        with torch.cuda.stream(stream), matmuls_leaving_sms(tuning.VISION_SM_CARVEOUT if decoding else 0):
             started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record(stream)
             features = self.encode_media(batch)
@@ -277,7 +277,7 @@ class BatchRunner:
             return self._warm_up_shapes(max_rows, token_budget)
 
     def _warm_up_shapes(self, max_rows: int, token_budget: int) -> list[tuple[int, int]]:
-        multiple = limits.PREFILL_LENGTH_MULTIPLE
+        multiple = tuning.PREFILL_LENGTH_MULTIPLE
         shapes, rows, decoded_up_to = [], 1, 0
         while rows <= max_rows and rows * multiple <= token_budget:
             lengths = {max(multiple, token_budget * quarter // 4 // rows // multiple * multiple) for quarter in range(1, 5)}
@@ -309,8 +309,8 @@ class BatchRunner:
         recaptures the decode step of each bucket met next (about 0.1 s each, every stream stalled):
         33 recaptures in one benchmark run on an H200. Columns still grow for long requests.
         """
-        self.prefill([(torch.zeros((1, 1), dtype=torch.long), None, None)], 0, limits.RESERVED_COLUMNS)  # every layer's state
-        self.store.reserve(max_rows, limits.RESERVED_COLUMNS)
+        self.prefill([(torch.zeros((1, 1), dtype=torch.long), None, None)], 0, tuning.RESERVED_COLUMNS)  # every layer's state
+        self.store.reserve(max_rows, tuning.RESERVED_COLUMNS)
         if self.graphs is not None:
             for bucket in GRAPH_BUCKETS:
                 if bucket <= max_rows:

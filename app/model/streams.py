@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from app import limits
+from app import tuning
 
 
 class MediaEncoding:
@@ -68,7 +68,7 @@ class PixelStaging:
     def __init__(self, device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.limit = limits.STAGED_PIXELS_MB * 2**20
+        self.limit = tuning.STAGED_PIXELS_MB * 2**20
         self.staged = 0
         self._lock = threading.Lock()
 

@@ -28,7 +28,7 @@ class TokensOnTheirWay:
     From a GPU, through pinned memory and a CUDA event rather than `.tolist()`: its synchronous copy to
     pageable memory, while a decode step waited behind a wave of images, also held up other threads' CUDA
     calls. On an H200, staging a request's pixels took 25-28 ms instead of 1.4, and preparing a request
-    132-134 ms instead of 74 (benchmarks/side_by_side.py)."""
+    132-134 ms instead of 74 (benchmarks/experiments/side_by_side.py)."""
 
     def __init__(self, chosen: torch.Tensor):
         self._copied = None

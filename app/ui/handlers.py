@@ -10,7 +10,7 @@ from contextlib import closing
 
 import gradio as gr
 
-from app import limits
+from app import tuning
 from app.messages import (
     MSG_EMPTY_REQUEST,
     MSG_MULTI_IMAGE_NEEDS_IMAGES,
@@ -78,7 +78,7 @@ def stats_message(stats: dict, notices: list[str]) -> dict:
         details.append(f"Video: {stats['video_frames']} frames{tokens}.")
     stages = stats.get("preparation_ms") or {}  # an external server's replies have none
     waited = stages.get("to_preparer", 0) + stages.get("for_a_worker", 0)
-    busy = f" ({waited:.0f} of them waiting for a free preparer)" if waited >= limits.PREPARATION_WAIT_SHOWN_MS else ""
+    busy = f" ({waited:.0f} of them waiting for a free preparer)" if waited >= tuning.PREPARATION_WAIT_SHOWN_MS else ""
     details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms{busy}, waiting for the model {stats['queue_ms']:.0f} ms, "
                    f"total {stats['total_ms'] / 1000:.2f} s.")
     details.extend(notices)

@@ -25,7 +25,7 @@ def _settings_sidebar(defaults) -> dict:
     with gr.Sidebar(label="Settings", open=False):
         gr.Markdown("### Decoding")
         components = {
-            "max_new_tokens": gr.Slider(1, limits.MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
+            "max_new_tokens": gr.Slider(1, limits.MAX_NEW_TOKENS_LIMIT, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
             "do_sample": gr.Checkbox(value=defaults.do_sample, label="Sample (off: greedy)"),
             "temperature": gr.Slider(limits.MIN_SAMPLING_TEMPERATURE, 2.0, value=defaults.temperature, step=0.01, label="Temperature"),
             "top_p": gr.Slider(0.01, 1.0, value=defaults.top_p, step=0.01, label="Top-p"),

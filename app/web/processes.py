@@ -14,7 +14,6 @@ process that dies is started again; the engine process is restarted by its Engin
 web process, and the web processes connect to the new one.
 """
 
-import gc
 import logging
 import multiprocessing
 import os
@@ -28,8 +27,9 @@ import threading
 import time
 from dataclasses import replace
 
-from app import limits
+from app import tuning
 from app.config import AppConfig
+from app.startup import start_process, started
 from app.engine.client import EngineConnection, EngineProcess
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class ChildProcesses:
                                             name=f"minicpmv-{self.kind.lower().replace(' ', '-')}-{index}")
             process.start()
             self._processes[index] = starting[index] = process
-        deadline = time.monotonic() + limits.WEB_PROCESS_START_TIMEOUT_S
+        deadline = time.monotonic() + tuning.WEB_PROCESS_START_TIMEOUT_S
         while starting:
             try:
                 index = self._ready.get(timeout=1)
@@ -189,9 +189,8 @@ class Fronts(ChildProcesses):
 
 def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], ready) -> None:
     """A web process's main: connect to the engine process, then serve the app on config's local port."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in a terminal reaches us too: the front stops us
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # how it does: exit as Python does, releasing what we hold
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [web {index}]: %(message)s")
+    # The parent stops us with SIGTERM: exit as Python does, releasing what we hold.
+    start_process(f"web {index}", on_sigterm=lambda: sys.exit(0))
     from app.web.server import launch
 
     manager = EngineConnection(config, *engine_listen)
@@ -203,12 +202,10 @@ def _serve_web(config: AppConfig, index: int, engine_listen: tuple[str, bytes], 
 
 def _serve_front(index: int, listening: socket.socket, backends: list[str], moved, ready) -> None:
     """A front's main: serve the public address's connections that this process accepts, until SIGTERM."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the parent too: it stops us
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [front {index}]: %(message)s")
+    start_process(f"front {index}", on_sigterm=stop.set)
     server = start_front(listening, backends, moved)
-    gc.freeze()  # as app.web.server.launch does: 212,000 start-up objects, 0.17-0.21 s a full collection on the dev machine
+    started()  # 212,000 start-up objects, 0.17-0.21 s a full collection on the dev machine
     ready.put(index)
     while not stop.wait(0.5) and server.thread.is_alive():
         pass
@@ -276,7 +273,7 @@ def close_serving(web: WebProcesses, fronts: Fronts | None) -> None:
 
 def front_processes(config: AppConfig) -> int:
     """--front-processes, or when it is 0, one for every WEB_PROCESSES_PER_FRONT web processes."""
-    return config.front_processes or -(-config.web_processes // limits.WEB_PROCESSES_PER_FRONT)
+    return config.front_processes or -(-config.web_processes // tuning.WEB_PROCESSES_PER_FRONT)
 
 
 def _free_port() -> int:

@@ -1,16 +1,15 @@
 """The web server of one web process: Gradio's launch (the UI, its queue, the upload route, the login in front
 of every route) and GET /metrics. Never imports torch."""
 
-import gc
 import logging
 import os
 import shutil
-import sys
 import tempfile
 
 from app import limits
 from app.messages import MSG_SHARE_WITHOUT_AUTH
 from app.config import AppConfig, handler_slots
+from app.startup import started
 
 log = logging.getLogger("app")
 
@@ -22,7 +21,7 @@ GRADIO_SETTINGS = {
     "MPLBACKEND": "agg",
     # Each time an event ends, Gradio summarizes its last 10,000 events with pandas for its /monitoring
     # page: 4-5 ms of a web process's CPU a request, 14-20 once a busy server has seen 10,000 events (dev
-    # core, CPU time; benchmarks/gradio_analytics.py). The app serves /metrics and its own panel
+    # core, CPU time; benchmarks/experiments/gradio_analytics.py). The app serves /metrics and its own panel
     # instead: the page is off (launch), and the summary is never made.
     "GRADIO_ANALYTICS_CACHE_FREQUENCY": str(2**62),
 }
@@ -55,7 +54,6 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     from app.web.guard import LoginRequired
     from starlette.middleware import Middleware
 
-    sys.setswitchinterval(limits.SWITCH_INTERVAL_S)  # each upload's chunks go through a thread
     if config.share and not config.auth:
         log.warning(MSG_SHARE_WITHOUT_AUTH)
     upload_folder = use_upload_folder(config)
@@ -83,9 +81,7 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
                             # Gradio checks the login route by route and misses some: this checks every request.
                             "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token)]})
     janitor.start(running=lambda: demo.is_running)
-    # What start-up made (Gradio, the UI: 166,000 objects) stays: out of the collector's full collections,
-    # each of which walked it for 0.18 s on the dev machine, holding up every stream this process serves.
-    gc.freeze()
+    started()  # Gradio and the UI: 166,000 objects, 0.18 s a full collection on the dev machine
     if not prevent_thread_lock:
         demo.block_thread()
     return demo

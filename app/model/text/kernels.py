@@ -145,7 +145,7 @@ def _gated_delta_step_kernel(qkv_ptr, projection_ptr, projection_row_stride, bet
 def delta_step_layout(rows: int) -> tuple[int, int]:
     """(value columns a program, warps a program) for `rows` sequences. Many rows: 64 columns and 4 warps
     read and write the states at 3.9 TB/s on an H200, near a plain in-place multiply's 4.1 (8 columns and
-    one warp: 2.7). Few rows: 8 columns, for enough programs to fill the card (benchmarks/delta_step.py)."""
+    one warp: 2.7). Few rows: 8 columns, for enough programs to fill the card (benchmarks/experiments/delta_step.py)."""
     return (8, 1) if rows < 32 else (64, 4)
 
 

@@ -1,5 +1,5 @@
 """A wave's vision tower and the running replies' decode steps on the GPU at once, against taking turns,
-by how many SMs the tower's matrix products leave free (limits.VISION_SM_CARVEOUT).
+by how many SMs the tower's matrix products leave free (tuning.VISION_SM_CARVEOUT).
 
 At 200 users the scheduler encodes a wave's media on a stream of its own while the running replies keep
 decoding (BatchRunner.encode_media_ahead). The tower's matrix products fill every SM, so the decode
@@ -13,7 +13,7 @@ pixels staged on the GPU) while nothing runs, beside decode steps alone, and bes
 step's tokens read back as the scheduler does (through pinned memory) or with .tolist() (pageable).
 Random weights at the real 4.6 shape; run on a GPU machine:
 
-    python benchmarks/side_by_side.py --carveouts 0,8,16,32 --json side.json
+    python benchmarks/experiments/side_by_side.py --carveouts 0,8,16,32 --json side.json
 """
 
 import argparse
@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from app import limits  # noqa: E402
+from app import tuning
 from app.config import AppConfig  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
 from app.model.transfers import TokensOnTheirWay  # noqa: E402
@@ -35,6 +35,9 @@ from benchmarks.report import write_json  # noqa: E402
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wave", type=int, default=16, help="images encoded together")
     parser.add_argument("--batch", type=int, default=128, help="replies decoding meanwhile")
@@ -57,7 +60,7 @@ def main() -> None:
                "batch": args.batch, "sms": torch.cuda.get_device_properties(0).multi_processor_count, "runs": []}
 
     with torch.inference_mode(), runner.on_serving_stream():
-        room = limits.RESERVED_COLUMNS  # as served: the steps below stay within it (lengths are reset)
+        room = tuning.RESERVED_COLUMNS  # as served: the steps below stay within it (lengths are reset)
         runner.store.reserve(args.batch, room)
         runner.prefill([(prepared.tensors["input_ids"], runner.encode_media(wave[:1])[0], prepared.canvas)], 0, room)
         for slot in range(1, args.batch):
@@ -160,7 +163,7 @@ def main() -> None:
             results[f"preparing_while_{condition}"] = preparing_beside(work)
             print(json.dumps({f"preparing_while_{condition}": results[f"preparing_while_{condition}"]}), flush=True)
         for carveout, mode in [(int(c), mode) for c in args.carveouts.split(",") for mode in ("tolist", "pinned")]:
-            limits.VISION_SM_CARVEOUT, readback["mode"] = carveout, mode
+            tuning.VISION_SM_CARVEOUT, readback["mode"] = carveout, mode
             alone = median([wave_alone_ms(True) for _ in range(args.runs)])
             trials = []
 

@@ -12,9 +12,9 @@ server's CPU per upload. With --fronts N the uploads go through N processes of t
 (app.web.proxy, as `python app.py --web-processes` serves them), and their CPU per upload is reported too.
 Medians; runs anywhere:
 
-    python benchmarks/upload.py --busy-threads 0,1,4 --switch-intervals 0.005,0.0005 --json upload.json
-    python benchmarks/upload.py --runs 50 --busy-threads 0 --switch-intervals 0.0005 --at-once 1,8,25
-    python benchmarks/upload.py --runs 100 --busy-threads 0 --switch-intervals 0.0005 --fronts 1
+    python benchmarks/experiments/upload.py --busy-threads 0,1,4 --switch-intervals 0.005,0.0005 --json upload.json
+    python benchmarks/experiments/upload.py --runs 50 --busy-threads 0 --switch-intervals 0.0005 --at-once 1,8,25
+    python benchmarks/experiments/upload.py --runs 100 --busy-threads 0 --switch-intervals 0.0005 --fronts 1
 """
 
 import argparse
@@ -26,7 +26,7 @@ import threading
 import time
 from multiprocessing import get_context
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.real_shape import benchmark_request  # noqa: E402
 from benchmarks.cpu_use import process_cpu_seconds  # noqa: E402
@@ -69,6 +69,9 @@ def busy(stop: threading.Event) -> None:
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--busy-threads", default="0,1,4")

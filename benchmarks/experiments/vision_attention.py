@@ -7,13 +7,13 @@ CUDA's grid limit); this times such calls for --images images under each kernel 
 checks that each gives the flash kernel's output; "tower" is the call as the tower makes it (SDPA's
 default choice, one call per run of equal segments). Run on a GPU machine:
 
-    python benchmarks/vision_attention.py --images 1 16 32 --json vision_attention.json
+    python benchmarks/experiments/vision_attention.py --images 1 16 32 --json vision_attention.json
 
 With --first-calls it times instead the tower's own attention (`fused_vision._attend_slices`, cuDNN's
 kernel from 16 slices) the first and the second time this process meets each shape: cuDNN builds a
 graph for every new one, and a wave's slice count is a new shape until the process has seen it.
 
-    python benchmarks/vision_attention.py --first-calls --images 2 3 5 8 13 21
+    python benchmarks/experiments/vision_attention.py --first-calls --images 2 3 5 8 13 21
 """
 
 import argparse
@@ -22,7 +22,7 @@ import os
 import sys
 from contextlib import nullcontext
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.report import write_json  # noqa: E402
 
@@ -34,6 +34,9 @@ STAGES = [("before the merger", 1024, SLICES_PER_IMAGE, 7), ("merger windows", 4
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--runs", type=int, default=10)

@@ -4,7 +4,7 @@ while another thread of the engine's side runs pure Python (as the engine's proc
 want its GIL). The benchmark's 1344x1344 PNG, one worker, medians; the two ways alternate, --rounds times.
 Runs anywhere (the tiny checkpoint's processor is the real one's):
 
-    python benchmarks/pixel_slots.py --rounds 4 --json slots.json
+    python benchmarks/experiments/pixel_slots.py --rounds 4 --json slots.json
 """
 
 import argparse
@@ -15,14 +15,17 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.real_shape import benchmark_request  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
-from benchmarks.worker_hop import run_python_until  # noqa: E402
+from benchmarks.experiments.worker_hop import run_python_until  # noqa: E402
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--runs", type=int, default=15)

@@ -6,8 +6,8 @@ This times that summary on a queue as `demo.queue()` makes it, for a server that
 and 10,000 events. The app turns it off (app.web.server.launch); --as-the-app times it with the app's setting.
 Runs anywhere:
 
-    python benchmarks/gradio_analytics.py
-    python benchmarks/gradio_analytics.py --as-the-app
+    python benchmarks/experiments/gradio_analytics.py
+    python benchmarks/experiments/gradio_analytics.py --as-the-app
 """
 
 import argparse
@@ -16,12 +16,15 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.report import write_json  # noqa: E402
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--as-the-app", action="store_true", help="with the setting app.web.server.launch makes")
     parser.add_argument("--runs", type=int, default=9)

@@ -4,7 +4,7 @@ two of them, choosing and handing out every running request's token.
 The model is replaced by a stand-in whose decode step returns fixed logits at once, so that only the
 scheduler's host work is timed (on a GPU the next step cannot start before it ends). Runs anywhere:
 
-    python benchmarks/scheduler_step.py --running 200 --json step.json
+    python benchmarks/experiments/scheduler_step.py --running 200 --json step.json
 """
 
 import argparse
@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from app.engine.metrics import EngineMetrics  # noqa: E402
 from app.engine.scheduler import Request, Scheduler  # noqa: E402
@@ -39,6 +39,9 @@ class FixedLogits:
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", type=int, default=200)
     parser.add_argument("--vocabulary", type=int, default=1000, help="small: the choice itself runs on the GPU in service")

@@ -4,7 +4,7 @@ output channel of weights, through torch._scaled_mm), at the shapes of a wave of
 fp32. Also the cost of quantizing activations with PyTorch operations. On CUDA (compute capability 8.9+).
 docs/DECISIONS.md D26 ("Midday run") has why the app does not use it.
 
-    python benchmarks/vision_fp8.py --images 16
+    python benchmarks/experiments/vision_fp8.py --images 16
 """
 
 import argparse

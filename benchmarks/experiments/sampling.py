@@ -4,7 +4,7 @@ Logits are random at the real vocabulary size (248,094); what the choice costs d
 model. Greedy, plain sampling (the checkpoint's default: temperature 0.7, no top-k or top-p), top-k with
 top-p, and top-p alone (which needs the whole vocabulary in order). Runs on the GPU when there is one:
 
-    python benchmarks/sampling.py --batches 1 32 200 --json sampling.json
+    python benchmarks/experiments/sampling.py --batches 1 32 200 --json sampling.json
 """
 
 import argparse
@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.prefill import timed  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
@@ -21,6 +21,9 @@ VOCAB = 248094
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 200])
     parser.add_argument("--runs", type=int, default=5)

@@ -5,7 +5,7 @@ back to back, as in concurrency.py) --rounds times, sampling the scheduler threa
 few milliseconds. Prints each round's results and its most frequent stacks (Triton compiling, the
 vision tower, a decode step...). Run on a GPU machine:
 
-    python benchmarks/cold_crowd.py --users 200 --duration 10 --grace 8
+    python benchmarks/experiments/cold_crowd.py --users 200 --duration 10 --grace 8
 """
 
 import argparse
@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.concurrency import engine_request, run_level  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
@@ -50,6 +50,9 @@ class StackSampler:
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint instead of the real-shape random one")
     parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)

@@ -5,7 +5,7 @@ layer, the bandwidth it reaches reading and writing the states, the same bytes r
 plain in-place multiply (what the card reaches on this traffic), and the largest difference from the
 first layout's output and state. On CUDA:
 
-    python benchmarks/delta_step.py --batches 1,32,100,200,256 --json delta.json
+    python benchmarks/experiments/delta_step.py --batches 1,32,100,200,256 --json delta.json
 """
 
 import argparse
@@ -14,16 +14,19 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.report import write_json  # noqa: E402
-from benchmarks.vision_fp8 import timed  # noqa: E402
+from benchmarks.experiments.vision_fp8 import timed  # noqa: E402
 
 HEADS, K, V = 16, 128, 128
 DELTANET_LAYERS = 18  # of the text model's 24: every fourth is full attention
 
 
 def main() -> None:
+    from app.config import apply_environment
+
+    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
     import torch
 
     from app.model.text import kernels as text_kernels

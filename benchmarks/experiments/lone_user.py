@@ -7,9 +7,9 @@ be told from time spent between the web server and the client. Last, the CPU tim
 process per request after the first (the web server; with --web-processes, the proxy in front of them).
 Extra arguments go to app.py:
 
-    python benchmarks/lone_user.py
-    python benchmarks/lone_user.py --in-process-engine
-    python benchmarks/lone_user.py --model tiny-random --requests 21 --new-tokens 8   # the web path's CPU, on a CPU
+    python benchmarks/experiments/lone_user.py
+    python benchmarks/experiments/lone_user.py --in-process-engine
+    python benchmarks/experiments/lone_user.py --model tiny-random --requests 21 --new-tokens 8   # the web path's CPU, on a CPU
 """
 
 import argparse
@@ -21,7 +21,7 @@ import tempfile
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from benchmarks.cpu_use import process_cpu_seconds  # noqa: E402

@@ -6,8 +6,8 @@ arrays are pickled by value, through the pipe. This times a round trip to one wo
 prepared 1344x1344 request: nothing, 4 small tensors (the prompt's 696 ids and the like) shared or by
 value, and the 6 MB of uint8 pixels (and 8 times that) shared or by value. Medians; runs anywhere:
 
-    python benchmarks/worker_hop.py --runs 11 --json hop.json
-    python benchmarks/worker_hop.py --busy-thread --switch-intervals 0.005,0.001   # beside a busy thread
+    python benchmarks/experiments/worker_hop.py --runs 11 --json hop.json
+    python benchmarks/experiments/worker_hop.py --busy-thread --switch-intervals 0.005,0.001   # beside a busy thread
 
 With --busy-thread the round trips are also timed while another thread of this process runs pure Python,
 as the engine's process has threads that want its GIL while a request comes back from its worker: each
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.report import write_json  # noqa: E402
 

@@ -1,0 +1,40 @@
+"""What every process of the app does as it starts, and once it has started, in one place: the limits and
+knobs the environment sets, logging tagged with the process's kind, signals, Python's GIL switch interval,
+torch's threads, and gc.freeze. The processes: the one started by `python app.py` (the only one, or the
+parent of the others), the engine process, the web processes, the fronts and the preparing workers."""
+
+import gc
+import logging
+import signal
+import sys
+from typing import Callable
+
+from app import tuning
+from app.config import apply_environment
+
+
+def start_process(kind: str | None = None, on_sigterm: Callable[[], None] | None = None,
+                  torch_threads: int | None = None) -> None:
+    """Set this process up. `kind` names a child process (its log lines say so, and Ctrl+C, which reaches
+    every process of the terminal, is left to the parent that stops it); `on_sigterm` is how it stops;
+    `torch_threads` bounds torch's pool where many processes share the cores (docs/DECISIONS.md D13)."""
+    apply_environment()
+    tag = f" [{kind}]" if kind else ""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s")
+    if kind is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if on_sigterm is not None:
+        signal.signal(signal.SIGTERM, lambda *_: on_sigterm())
+    # Threads that waited (for the GPU, a pipe, a file write) get the GIL back sooner (docs/DECISIONS.md D14).
+    sys.setswitchinterval(tuning.SWITCH_INTERVAL_S)
+    if torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+
+
+def started() -> None:
+    """The process is set up (its server built, its model warm): what it made stays out of the collector's
+    full collections, each of which walked it all and stopped every stream of the process meanwhile
+    (docs/DECISIONS.md D15)."""
+    gc.freeze()

@@ -1,0 +1,85 @@
+"""The engine's and the servers' tuning knobs, each with the reason for its value (the measurements are in
+docs/DECISIONS.md). Those named in FROM_ENVIRONMENT can be set through MINICPMV_<NAME>, read by
+app.config.apply_environment when a process starts, never at import.
+"""
+
+# Generating requests that Gradio hands to the handlers at once beyond the engine's batch and wait line,
+# so that a crowd arriving together reaches the engine's line and hears at once that the demo is busy
+# (each such handler ends in milliseconds). Gradio's own queue, which held them and then turned the rest
+# away with its "Queue is full", only waits past this many (and holds as many again, at most).
+BUSY_HEADROOM = 256
+# Prompt tokens prefilled between two decode steps, padding included (requests in a wave x the longest
+# prompt): a crowd arriving at once is admitted over several steps so that replies already running keep
+# streaming.
+PREFILL_TOKENS_PER_STEP = 16384
+# Prefill shapes are kept to a few: waves of 1, 2, 4, 8... requests, prompts padded to a multiple of this
+# many tokens (through transformers' layers; the fused text model packs prompts unpadded, and the budget
+# above still counts them padded). On CUDA the linear-attention layers run Triton kernels that are
+# compiled and tuned for each new shape they meet (seconds each): on an H200 a first crowd of 200 users
+# spent 97% of its time there and got no answer in 18 s. The warm-up compiles every shape the engine can
+# then use.
+PREFILL_LENGTH_MULTIPLE = 64
+# On CUDA the warm-up reserves the per-request state of a whole batch (--max-batch-size slots) for
+# prompts and replies of up to this many tokens, so that the captured decode step is not captured again
+# as the batch grows (longer ones grow it). About 19 MB + 12 KB per token per slot at the 4.6 shape:
+# 7.9 GB for 256 slots. Attention in the decode step reads every reserved column, so not more.
+RESERVED_COLUMNS = 1024
+# 1: the text model runs as app.model.text.fused writes it (decode step and prefill) where the checkpoint
+# allows; 0: through transformers' layers.
+FUSED_TEXT_MODEL = 1
+# 1: the vision tower runs as app.model.vision.fused writes it where the checkpoint allows; 0: through
+# transformers' modules (tuned by app.model.vision.tower).
+FUSED_VISION_TOWER = 1
+# 1: on CUDA a wave's media are encoded on a stream of their own while running replies decode
+# (app.model.runner); 0: in the scheduler's turn, every reply waiting meanwhile.
+MEDIA_ALONGSIDE_DECODING = 1
+# SMs that the vision tower's matrix products leave free while replies decode beside a wave (cuBLAS's SM
+# carve-out, experimental in PyTorch): the products otherwise fill every SM, and decode steps wait. On an
+# H200 at 200 users, 66 (half) gave 8-26% more tokens/s and a later first token (docs/DECISIONS.md D25):
+# off by default, as a chat's users weigh the first token most.
+VISION_SM_CARVEOUT = 0
+STAGED_PIXELS_MB = 2048  # waiting requests' pixels copied to the GPU ahead of their wave
+WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
+# How often Python hands the GIL from one thread to another in the app's serving processes (its default
+# is 5 ms). A thread that gave the GIL up to wait (for the GPU, a pipe, a file write) gets it back only
+# when the thread holding it is made to let go. In the engine's process the scheduler thread holds it
+# while it launches kernels, and the threads taking each reply's tokens out waited: at 200 users on an
+# H200 a first token's way from the scheduler to its consumer took 419-444 ms at p95 at 5 ms, 3.5-328
+# ms at 0.5 ms (four runs; tokens/s did not change). In a web process Gradio writes an upload to disk
+# chunk by chunk, each chunk through a thread: a 5.4 MB PNG's upload beside one busy thread took 235 ms
+# at 5 ms and 72 at 0.5 (67 alone; dev machine). docs/DECISIONS.md D14.
+SWITCH_INTERVAL_S = 0.0005
+# A reply's stats say how long its preprocessing waited for a free preparer (a busy server) from this long.
+PREPARATION_WAIT_SHOWN_MS = 50
+PREPARE_CONCURRENCY = 4  # requests whose images are decoded and sliced at once
+PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
+WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen
+# --web-processes: front processes (the proxy at the public address) when --front-processes is 0. The front
+# spends about half a web process's CPU on an upload and carries every web process's traffic.
+WEB_PROCESSES_PER_FRONT = 3
+ENGINE_CONNECT_TIMEOUT_S = 600  # a web process waits this long for the engine process to listen (a model loading)
+# A reply's text goes out at most this often (tokens in between are sent together): smooth to read,
+# and hundreds of streams do not flood the server with one event per token.
+STREAM_UPDATE_INTERVAL_S = 0.05
+# ...and all replies together at most about this many updates a second: each one is work for the web
+# server's single Python process, which ran near a full core at 100-200 users through the app on an H200
+# box while the GPU idled half the time. With 200 replies streaming, each is updated every 0.4 s.
+STREAM_UPDATES_PER_S = 500
+PROFILE_GPU_MAX_S = 60.0  # ModelManager.profile_gpu's longest window: the profiler keeps every kernel in memory
+
+# What an environment variable MINICPMV_<NAME> may set (app.config.apply_environment, at the start of
+# every process), with the defaults above.
+FROM_ENVIRONMENT = {name: globals()[name] for name in (
+    "BUSY_HEADROOM",
+    "PREFILL_TOKENS_PER_STEP",
+    "RESERVED_COLUMNS",
+    "FUSED_TEXT_MODEL",
+    "FUSED_VISION_TOWER",
+    "MEDIA_ALONGSIDE_DECODING",
+    "VISION_SM_CARVEOUT",
+    "STAGED_PIXELS_MB",
+    "SWITCH_INTERVAL_S",
+    "PREPARE_CONCURRENCY",
+    "STREAM_UPDATE_INTERVAL_S",
+    "STREAM_UPDATES_PER_S",
+)}
