@@ -83,7 +83,7 @@ def main() -> None:
     model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
     manager = ModelManager(AppConfig(model=model, load_in_4bit=args.load_in_4bit))
     manager.load()
-    runner = manager.scheduler.runner
+    runner = manager.runner
     eager_step = runner.decode_step
     if args.compile:
         import torch._dynamo

@@ -59,7 +59,7 @@ def main() -> None:
 
     manager = ModelManager(AppConfig(model=args.model or ensure_real_shape_checkpoint(DEFAULT_FOLDER), prepare_processes=0))
     manager.load()
-    runner = manager.scheduler.runner
+    runner = manager.runner
     _, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=128, do_sample=False)
     prepared = manager.prepare(messages, settings)

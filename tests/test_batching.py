@@ -108,7 +108,7 @@ def test_stopping_one_request_mid_batch_leaves_the_others_unchanged(manager, tmp
     alone = {key: reply(manager, conversations[key], settings) for key in ("first", "last")}
 
     # Slow each step down so that "within a step" can be observed from outside.
-    runner = manager.scheduler.runner
+    runner = manager.runner
     decode = runner.decode
     monkeypatch.setattr(runner, "decode", lambda tokens: (time.sleep(0.03), decode(tokens))[1])
     results, stopped = {}, {}
@@ -148,7 +148,7 @@ def test_running_replies_keep_decoding_while_a_newcomers_media_are_encoded(manag
     running = user("Tell me a long story, please.", ("image", make_image(tmp_path, "r.png", (300, 200), (200, 40, 40))))
     newcomer = user("And what is this?", ("image", make_image(tmp_path, "n.png", (500, 400), (40, 40, 200))))
     alone = {"running": reply(manager, running, greedy(60)), "newcomer": reply(manager, newcomer, greedy(20))}
-    runner, metrics = manager.scheduler.runner, manager.metrics
+    runner, metrics = manager.runner, manager.metrics
     encode_media_ahead, seen = runner.encode_media_ahead, []
 
     class SlowEncoding:
@@ -262,7 +262,7 @@ def test_inline_scheduler_for_zero_gpu_serves_from_the_callers_threads(manager, 
     monkeypatch.setenv("SPACES_ZERO_GPU", "1")
     inline = ModelManager(manager.config)
     inline.load()
-    assert inline.scheduler.inline and inline.scheduler.runner.graphs is None
+    assert inline.scheduler.inline and inline.runner.graphs is None
     conversations = {i: user(f"Question {i} about this picture?",
                              ("image", make_image(tmp_path, f"z{i}.png", (100 + 150 * i, 200), (60 * i, 20, 200))))
                      for i in range(4)}
@@ -309,7 +309,7 @@ def test_warm_up_runs_every_wave_shape_and_leaves_the_engine_as_it_was(manager, 
 
     conversation = user("What is this?", ("image", make_image(tmp_path, "w.png", (300, 200), (30, 90, 200))))
     before = reply(manager, conversation, greedy(16))
-    runner = manager.scheduler.runner
+    runner = manager.runner
     with __import__("torch").inference_mode():
         shapes = runner.warm_up_shapes(max_rows=4, token_budget=512)
     assert shapes == [(1, 127), (1, 128), (1, 255), (1, 256), (1, 383), (1, 384), (1, 511), (1, 512),

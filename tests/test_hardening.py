@@ -191,7 +191,7 @@ def test_out_of_memory_frees_memory_answers_clearly_and_recovers(client, manager
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(manager.scheduler.runner, "decode", out_of_memory)
+    monkeypatch.setattr(manager.runner, "decode", out_of_memory)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(True))
     with pytest.raises(AppError, match="ran out of memory"):
         stream(client, "What is this?", [red_image], FIXED)
@@ -396,7 +396,7 @@ def test_no_decoding_setting_breaks_another_users_reply(server_url, client, red_
 def test_a_row_that_cannot_be_sampled_fails_alone(server_url, manager, red_image, monkeypatch):
     """Logits that are not finite numbers in one user's row (what a tiny temperature made before): that
     reply ends with a clear message, and the greedy and sampled replies beside it go on to their end."""
-    runner = manager.scheduler.runner
+    runner = manager.runner
     decode = runner.decode
     marked_temperature = 0.777  # the settings that mark the attacker's row
 

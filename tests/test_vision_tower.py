@@ -49,7 +49,7 @@ def test_images_come_in_uint8_and_the_engine_normalizes_them(manager, tmp_path):
     assert sent["pixel_values"].dtype == torch.uint8
     shipped = AutoProcessor.from_pretrained(manager.source.path)
     expected = prepare_inputs(shipped, messages, settings, 4096).tensors["pixel_values"]
-    runner = manager.scheduler.runner
+    runner = manager.runner
     assert torch.equal(runner._image_pixels(sent), expected[0].to(runner.pixel_dtype))
     video = [{"role": "user", "content": [{"type": "video", "path": make_video(tmp_path, seconds=2, fps=4)}]}]
     assert prepare_inputs(manager.processor, video, settings, 4096,

@@ -52,6 +52,7 @@ class ModelManager:
         self.scheduler = Scheduler(config.max_batch_size, config.queue_size, self.metrics, inline=zero_gpu_enabled())
         self._ready = threading.Event()  # a model is loaded (cleared while switching)
         self.preparer = None  # app.engine.preparers: threads here, or worker processes
+        self.runner: BatchRunner | None = None  # the model's side of batching, handed to the scheduler
         self._version = 0  # bumped by every load, so a request prepared for an older model is prepared again
 
     # Loading ---------------------------------------------------------------------------------------
@@ -78,8 +79,8 @@ class ModelManager:
         self.preparer = (ProcessPreparer(self.source.path, self.config.trust_remote_code, workers, pixel_dtype) if workers
                          else ThreadPreparer(self.processor, pixel_dtype))
         # On ZeroGPU each request runs in a fresh GPU worker: captured graphs would not outlive it.
-        runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
-        self.scheduler.attach(runner, self._end_token_ids(), self._version)
+        self.runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
+        self.scheduler.attach(self.runner, self._end_token_ids(), self._version)
         self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
@@ -112,7 +113,7 @@ class ModelManager:
             for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in tuning.WARM_UP_WAVES}):
                 with ThreadPoolExecutor(wave) as pool:
                     list(pool.map(one_reply, range(wave)))
-        if self.scheduler.runner.graphs is not None:
+        if self.runner.uses_cuda_graphs:
             self._warm_up_shapes()
         self.warmup_s = time.perf_counter() - started
         log.info("Warm-up took %.2f s", self.warmup_s)
@@ -130,11 +131,11 @@ class ModelManager:
             return
         try:
             with torch.inference_mode():
-                shapes = self.scheduler.runner.warm_up_shapes(self.config.max_batch_size, tuning.PREFILL_TOKENS_PER_STEP)
+                shapes = self.runner.warm_up_shapes(self.config.max_batch_size, tuning.PREFILL_TOKENS_PER_STEP)
             log.info("Warmed up %d prefill shapes and the decode step up to batch %d", len(shapes), self.config.max_batch_size)
         except Exception as error:  # out of memory on a small card, say: serve anyway, kernels build on first use
             log.error("The warm-up of every batch shape stopped; serving without it", exc_info=error)
-            self.scheduler.runner.release()
+            self.runner.release()
             release_gpu_memory(error)
         finally:
             self.scheduler.resume()
@@ -179,8 +180,9 @@ class ModelManager:
 
         before = self.gpu_memory_bytes() or 0
         self._ready.clear()
-        self.scheduler.runner.release()
-        self.scheduler.runner = None
+        self.scheduler.detach()
+        self.runner.release()
+        self.runner = None
         self.preparer.close()
         self.model = self.processor = self.preparer = None
         gc.unfreeze()
@@ -291,7 +293,7 @@ class ModelManager:
         prepared.timeline["asked"] = asked
         # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
         prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
-        runner = self.scheduler.runner
+        runner = self.runner
         if runner is not None:  # None while a model is switched: the request is prepared again for the next
             runner.stage_media(prepared.tensors)
         return prepared

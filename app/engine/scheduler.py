@@ -119,6 +119,11 @@ class Scheduler:
             self._thread = threading.Thread(target=self._serve, name="scheduler", daemon=True)
             self._thread.start()
 
+    def detach(self) -> None:
+        """Serve no model until the next attach (the model is being unloaded; the scheduler is paused)."""
+        with self._changed:
+            self.runner = None
+
     def pause(self, timeout: float) -> bool:
         """Admit no one new and wait until running requests have finished; if they did not in time,
         serve on as before and return False."""

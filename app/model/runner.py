@@ -74,6 +74,10 @@ class BatchRunner:
         if self.fused_vision is None:
             tune_vision_tower(model)
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.graphs is not None
+
     def on_serving_stream(self):
         """A context in which GPU work goes to the serving stream (nothing changes without one)."""
         return contextlib.nullcontext() if self.serving_stream is None else torch.cuda.stream(self.serving_stream)

@@ -51,7 +51,7 @@ def main() -> None:
 
     manager = ModelManager(AppConfig(model=ensure_real_shape_checkpoint(DEFAULT_FOLDER)))
     manager.load()
-    runner = manager.scheduler.runner
+    runner = manager.runner
     _, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=128, do_sample=False)
     prepared = manager.prepare(messages, settings)
