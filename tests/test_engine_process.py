@@ -257,3 +257,15 @@ def test_a_stop_signal_ends_a_reply_at_any_moment_in_the_engine_process(engine, 
         assert time.monotonic() - started < 20
         assert wait_for(lambda: engine.active_generations == 0, 10), f"stopped after {delay} s, still in the batch"
     assert engine.metrics.snapshot()["requests"]["stopped"] - stopped_before >= 3
+
+
+def test_the_engine_answers_only_the_calls_it_lists(engine):
+    """Calls over the pipe are an EngineCall each, answered from a table: no attribute of the manager is
+    looked up by a name the other side sends."""
+    from app.engine.api import EngineCall
+
+    assert engine._call(EngineCall.ACTIVE_GENERATIONS) == 0
+    for name in ("model", "config", "metrics.__class__", "_unload"):
+        with pytest.raises(Exception, match="is not a valid EngineCall"):
+            engine._call(name)
+    assert engine.info().name == "tiny-random"  # and it serves on

@@ -17,6 +17,22 @@ class ReplyEvent(str, Enum):
     STOPPED = "stopped"  # None: the caller's StopSignal was set; the reply ends with no last update
 
 
+class EngineCall(str, Enum):
+    """What a web process may ask of the engine process besides replies (app.engine.process answers each)."""
+
+    WARM_UP = "warm_up"
+    INFO = "info"
+    DEFAULT_SETTINGS = "default_settings"
+    PLAN_IMAGES = "plan_images"
+    MAX_CONTEXT_TOKENS = "max_context_tokens"
+    ACTIVE_GENERATIONS = "active_generations"
+    PROFILE_GPU = "profile_gpu"
+    SWITCH = "switch"
+    METRICS_SNAPSHOT = "metrics.snapshot"
+    METRICS_PROMETHEUS = "metrics.prometheus"
+    METRICS_RESET = "metrics.reset"
+
+
 @dataclass
 class ReplyUpdate:
     """The reply so far; `stats` is set on the last update only."""

@@ -19,6 +19,7 @@ from typing import Iterator
 from app import limits, tuning
 from app.messages import MSG_ENGINE_PROCESS_DOWN, MSG_ENGINE_PROCESS_LOST
 from app.config import AppConfig
+from app.engine.api import EngineCall
 from app.engine.replies import follow_reply
 from app.engine.stop_signal import StopSignal
 from app.engine.api import ReplyEvent
@@ -50,7 +51,7 @@ class EngineClient:
         return self._ready.is_set()
 
     def warm_up(self) -> float:
-        return self._call("warm_up")
+        return self._call(EngineCall.WARM_UP)
 
     def _serve_over(self, connection) -> None:
         """Talk to the engine process over `connection` from now on (a thread of its own reads it)."""
@@ -96,7 +97,7 @@ class EngineClient:
         except (OSError, ValueError) as error:  # the process has just died: the reader deals with it
             raise UserError(MSG_ENGINE_PROCESS_LOST) from error
 
-    def _call(self, method: str, *args):
+    def _call(self, method: EngineCall, *args):
         call_id = next(self._ids)
         results = self._calls[call_id] = queue.SimpleQueue()
         try:
@@ -111,31 +112,31 @@ class EngineClient:
     # The model manager's interface -------------------------------------------------------------------
 
     def info(self):
-        return self._call("info")
+        return self._call(EngineCall.INFO)
 
     def default_settings(self):
         # Every request starts from them and they change only with the model: a round trip per load, not per request.
         if self._default_settings is None:
-            self._default_settings = self._call("default_settings")
+            self._default_settings = self._call(EngineCall.DEFAULT_SETTINGS)
         return self._default_settings
 
     def plan_images(self, paths, settings):
-        return self._call("plan_images", paths, settings)
+        return self._call(EngineCall.PLAN_IMAGES, paths, settings)
 
     @property
     def max_context_tokens(self) -> int:
-        return self._call("max_context_tokens")
+        return self._call(EngineCall.MAX_CONTEXT_TOKENS)
 
     @property
     def active_generations(self) -> int:
-        return self._call("active_generations")
+        return self._call(EngineCall.ACTIVE_GENERATIONS)
 
     def profile_gpu(self, seconds: float) -> dict:
-        return self._call("profile_gpu", seconds)
+        return self._call(EngineCall.PROFILE_GPU, seconds)
 
     def switch(self, model: str) -> dict:
         try:
-            result = self._call("switch", model)
+            result = self._call(EngineCall.SWITCH, model)
         finally:
             self._default_settings = None
         self.config = replace(self.config, model=model)  # so that a restarted engine process loads this one
@@ -293,10 +294,10 @@ class _RemoteMetrics:
         self._call = call
 
     def snapshot(self) -> dict:
-        return self._call("metrics.snapshot")
+        return self._call(EngineCall.METRICS_SNAPSHOT)
 
     def prometheus(self) -> str:
-        return self._call("metrics.prometheus")
+        return self._call(EngineCall.METRICS_PROMETHEUS)
 
     def reset(self) -> None:
-        self._call("metrics.reset")
+        self._call(EngineCall.METRICS_RESET)

@@ -20,10 +20,10 @@ process when it dies, and the web processes connect to the new one.
 Messages, pickled over the pipe or a connection:
   web -> engine   ("stream", id, messages, settings, requested_at)   start a reply
                   ("done", id, outcome)                              the web side is done with it
-                  ("call", id, method, args)                         anything else (info, switch, metrics...)
+                  ("call", id, method, args)                         an api.EngineCall (info, switch, metrics...)
                   ("stop", None)                                     end the process
   engine -> web   ("ready", error) once, after loading (error None); then lists of
-                  ("event", id, kind, value)  a reply's events (app.engine.core.follow_reply)
+                  ("event", id, kind, value)  a reply's events (app.engine.replies.follow_reply)
                   ("result", id, error, value)
 """
 
@@ -38,10 +38,26 @@ from concurrent.futures import ThreadPoolExecutor
 from app.config import AppConfig
 from app.startup import start_process
 from app.engine.replies import as_user_error
-from app.engine.api import ReplyEvent
+from app.engine.api import EngineCall, ReplyEvent
 from app.errors import UserError
 
 log = logging.getLogger(__name__)
+
+
+# How the engine process answers each EngineCall: with the model manager's own method or property.
+_CALLS = {
+    EngineCall.WARM_UP: lambda manager: manager.warm_up(),
+    EngineCall.INFO: lambda manager: manager.info(),
+    EngineCall.DEFAULT_SETTINGS: lambda manager: manager.default_settings(),
+    EngineCall.PLAN_IMAGES: lambda manager, paths, settings: manager.plan_images(paths, settings),
+    EngineCall.MAX_CONTEXT_TOKENS: lambda manager: manager.max_context_tokens,
+    EngineCall.ACTIVE_GENERATIONS: lambda manager: manager.active_generations,
+    EngineCall.PROFILE_GPU: lambda manager, seconds: manager.profile_gpu(seconds),
+    EngineCall.SWITCH: lambda manager, model: manager.switch(model),
+    EngineCall.METRICS_SNAPSHOT: lambda manager: manager.metrics.snapshot(),
+    EngineCall.METRICS_PROMETHEUS: lambda manager: manager.metrics.prometheus(),
+    EngineCall.METRICS_RESET: lambda manager: manager.metrics.reset(),
+}
 
 
 def serve(config: AppConfig, connection, listen: tuple[str, bytes] | None = None) -> None:
@@ -134,10 +150,7 @@ class _EngineSide:
 
     def _answer(self, call_id: int, method: str, args: tuple) -> None:
         try:
-            target = self.manager
-            for name in method.split("."):
-                target = getattr(target, name)
-            value = target(*args) if callable(target) else target
+            value = _CALLS[EngineCall(method)](self.manager, *args)
             self.outbox.put(("result", call_id, None, value))
         except Exception as error:
             self.outbox.put(("result", call_id, _wire_error(error), None))
