@@ -18,14 +18,14 @@ from typing import Callable, Iterator
 from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.model.runner import BatchRunner, canvas_positions
+from app.model.runner import BatchRunner, canvas_positions, release_gpu_memory
 from app.engine.inputs import PreparedInputs
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
 from app.engine.replies import follow_reply, prepared_summary
 from app.engine.preparers import ProcessPreparer, ThreadPreparer, preparer_processes
 from app.model.checkpoint.presets import find_preset
-from app.engine.scheduler import Request, Scheduler, release_gpu_memory
+from app.engine.scheduler import Request, Scheduler
 from app.engine.api import ModelInfo, ReplyEvent, ReplyUpdate
 from app.engine.settings import GenerationSettings
 from app.engine.stop_signal import StopSignal

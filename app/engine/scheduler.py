@@ -37,6 +37,7 @@ from typing import Callable
 
 from app import tuning
 from app.messages import MSG_BUSY, MSG_SAMPLING_FAILED
+from app.model.runner import release_gpu_memory
 from app.model.streams import MediaEncoding
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
@@ -393,10 +394,3 @@ def fail(requests: list[Request], error: Exception) -> None:
     release_gpu_memory(error)
     for request in requests:
         request.emit(ReplyEvent.ERROR, error)
-
-
-def release_gpu_memory(error: Exception) -> None:
-    import torch
-
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        torch.cuda.empty_cache()

@@ -328,3 +328,9 @@ class BatchRunner:
             self.graphs.clear()
         if self.prefill_graphs is not None:
             self.prefill_graphs.clear()
+
+
+def release_gpu_memory(error: Exception) -> None:
+    """After `error`, if the GPU ran out of memory: what the allocator keeps cached goes back to the card."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
