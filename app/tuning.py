@@ -22,7 +22,8 @@ PREFILL_LENGTH_MULTIPLE = 64
 # On CUDA the warm-up reserves the per-request state of a whole batch (--max-batch-size slots) for
 # prompts and replies of up to this many tokens, so that the captured decode step is not captured again
 # as the batch grows (longer ones grow it). About 19 MB + 12 KB per token per slot at the 4.6 shape:
-# 7.9 GB for 256 slots. Attention in the decode step reads every reserved column, so not more.
+# 7.9 GB for 256 slots. Through transformers' layers the decode step's attention reads every reserved
+# column (the fused one reads each request's own), so not more.
 RESERVED_COLUMNS = 1024
 # 1: the text model runs as app.model.text.fused writes it (decode step and prefill) where the checkpoint
 # allows; 0: through transformers' layers.

@@ -1,6 +1,6 @@
 """Where a request's inputs are prepared (images decoded and sliced, the prompt rendered): threads or processes.
 
-Preparing one 1344x1344 image takes about 75 ms of CPU, much of it Python holding the GIL. In the
+Preparing one 1344x1344 image takes 60-80 ms of CPU, much of it Python holding the GIL. In the
 engine's process that time is taken from the scheduler thread that drives the GPU, and however many
 cores the machine has, one process prepares about one request at a time: at 200 users on an H200 the
 preparation waited 3.6 s at the median (docs/DECISIONS.md D7). So on a GPU box requests are prepared
