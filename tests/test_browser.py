@@ -98,6 +98,32 @@ def test_a_question_whose_image_fails_stays_in_its_box(browser, server_url, tmp_
         page.close()
 
 
+def test_a_file_that_is_no_image_is_refused_in_the_chat_without_covering_it(browser, server_url, tmp_path):
+    """Refused before the engine sees it: the reason stays in the chat after the toast has gone, the earlier
+    conversation stays visible (Gradio's "Error" boxes once covered the chat and the box), and the question
+    and its attachment are back in the box."""
+    fake = tmp_path / "notimage.png"
+    fake.write_text("just some text")
+    page = open_page(browser, server_url)
+    try:
+        page.locator("#chat-input textarea").fill("Hello")
+        page.locator("#chat-input textarea").press("Enter")
+        page.get_by_text(STATS_LINE).first.wait_for(timeout=60_000)
+        page.locator("#chat-input input[type=file]").set_input_files(str(fake))
+        page.locator("#chat-input textarea").fill("And this?")
+        page.wait_for_timeout(500)  # the upload finishes before sending
+        page.locator("#chat-input textarea").press("Enter")
+        page.locator("#chat").get_by_text("could not be read as an image").first.wait_for(timeout=30_000)
+        page.wait_for_timeout(15_000)  # past the toast's life
+        assert page.locator("#chat").get_by_text("could not be read as an image").count() >= 1
+        assert "Hello" in chat_text(page) and page.get_by_text(STATS_LINE).count() >= 1
+        assert page.locator("#chat .error, #chat-input .error").count() == 0  # no "Error" box over them
+        assert page.locator("#chat-input textarea").input_value() == "And this?"
+        page.screenshot(path=os.path.join(ARTIFACTS, "refused-file.png"), full_page=True)
+    finally:
+        page.close()
+
+
 def test_stop_button_halts_generation(page, manager):
     set_max_new_tokens(page, 4000)  # a reply long enough to be stopped mid-way
     stats_lines = page.get_by_text(STATS_LINE).count()

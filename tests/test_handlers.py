@@ -75,7 +75,7 @@ def test_a_failed_question_goes_back_to_its_box(handlers, manager, red_image, tm
     """As wired in the page: when the reply fails, the question's turn is removed and the box gets back
     what was sent (its text and files, and the camera's photo); a question answered leaves them cleared."""
     cut = truncated_png(tmp_path)
-    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond)
+    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond, cleared=2)
     sent = {"text": "What is on this page?", "files": [cut]}
     updates = list(answer(sent, red_image, [], *settings_values(manager)))
     assert updates[0][1:] == (None, None)  # cleared as it was sent
@@ -88,9 +88,31 @@ def test_a_failed_question_goes_back_to_its_box(handlers, manager, red_image, tm
     assert history[-1]["metadata"]["title"].startswith("640 visual tokens")
     assert isinstance(box, type(gr.skip())) and isinstance(camera, type(gr.skip()))
 
-    ask_multi = question_then_answer(handlers.add_multi_image_question, 3, handlers.respond)
+    ask_multi = question_then_answer(handlers.add_multi_image_question, 3, handlers.respond, cleared=1)
     history, box = list(ask_multi("Compare them.", [cut, red_image], [], *settings_values(manager)))[-1]
     assert history[-1]["metadata"]["title"].startswith("⚠️") and box == "Compare them."
+
+
+def test_a_question_refused_before_it_is_asked_is_explained_in_the_chat_and_stays_in_its_box(
+        handlers, manager, red_image, tmp_path):
+    """A file that is no image, or an empty question, is refused before the engine sees it: the reason is
+    in the chat (not only in a toast that goes), the conversation is as it was, the question is back in
+    its box. Raised instead, Gradio covered the chat and the box with "Error" boxes."""
+    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond, cleared=2)
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    fake = tmp_path / "notimage.png"
+    fake.write_text("just some text")
+    for sent, photo, why in (({"text": "What is this?", "files": [str(fake)]}, red_image, "could not be read as an image"),
+                             ({"text": "  ", "files": []}, None, "Type a question")):
+        updates = list(answer(sent, photo, earlier, *settings_values(manager)))
+        assert len(updates) == 1
+        history, box, camera = updates[0]
+        assert history[:2] == earlier and len(history) == 3 and why in history[-1]["content"]
+        assert history[-1]["metadata"]["title"].startswith("⚠️")
+        assert box == sent and camera == photo
+    ask_video = question_then_answer(handlers.add_video_question, 3, handlers.respond, cleared=1)
+    history, box = list(ask_video("What happens?", None, [], *settings_values(manager)))[0]
+    assert history[-1]["metadata"]["title"].startswith("⚠️") and box == "What happens?"
 
 
 def test_failed_turn_is_removed_and_explained(handlers, manager, red_image, tmp_path):

@@ -12,7 +12,7 @@ from app.config import handler_slots
 from app.model.checkpoint.presets import PRESETS
 from app.ui.cancellable import cancellable
 from app.ui.file_inputs import UploadsOnlyBlocks
-from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, model_header
+from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, error_message, model_header
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
@@ -62,18 +62,25 @@ def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
                       buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id)
 
 
-def question_then_answer(add, inputs: int, respond):
+def question_then_answer(add, inputs: int, respond, cleared: int):
     """One event's function for a question: `add` takes the first `inputs` values and puts the question
     into the history (it returns the history, then new values for the first inputs, which it clears);
     `respond` streams the reply from the history and the remaining values (the settings). Chained as two
     events, the reply's first text reached the page about 90 ms later (Gradio 6.31 in Chromium, a minimal
     app: 200-235 ms after Enter against 110-146). If the reply fails (an unreadable image, a busy demo),
-    the cleared inputs get back what was submitted, so that the question is not lost with its turn."""
+    the cleared inputs get back what was submitted, so that the question is not lost with its turn. If
+    `add` refuses the question (an empty one, a file that is no image), the refusal is shown in the chat
+    too, the question stays in its box (the first `cleared` inputs), and the conversation stays as it was:
+    raised, Gradio covered the chat and the box with "Error" once its toast was gone."""
 
     def added_then_answered(*values, stop=None):
-        added = add(*values[:inputs])
+        try:
+            added = add(*values[:inputs])
+        except gr.Error as refused:  # app.ui.refusals: already logged
+            gr.Warning(refused.message)
+            yield [*(values[inputs - 1] or []), error_message(refused.message)], *values[:cleared]
+            return
         yield added
-        cleared = len(added) - 1
         history = added[0]
         for history in respond(added[0], *values[inputs:], stop=stop):
             yield history, *[gr.skip()] * cleared
@@ -91,7 +98,8 @@ def _streaming(handler, blocks):
 def _wire_question(blocks, box, add, add_inputs: list, outputs: list, respond, settings, concurrency: int):
     """A question submitted from `box` as one event (question_then_answer): `outputs` are the chatbot, then
     the first of `add_inputs` that `add` clears; the box's stop control cancels it (_stop_cancels)."""
-    answer = box.submit(_streaming(question_then_answer(add, len(add_inputs), respond), blocks), [*add_inputs, *settings],
+    added_then_answered = question_then_answer(add, len(add_inputs), respond, cleared=len(outputs) - 1)
+    answer = box.submit(_streaming(added_then_answered, blocks), [*add_inputs, *settings],
                         outputs, concurrency_id=MODEL_EVENTS, concurrency_limit=concurrency, api_visibility="undocumented")
     _stop_cancels(box, answer, outputs[0])
 
