@@ -2,6 +2,7 @@
 
 MSG_EMPTY_REQUEST = "Type a question or attach an image or video first."
 MSG_UNSUPPORTED_FILE = "“{name}” is not a supported file. Images: {images}. Videos: {videos}."
+MSG_UPLOAD_GONE = "“{name}” is no longer on the server (uploads are deleted after a while): please attach it again."
 MSG_NOT_AN_UPLOAD = "“{name}” was not uploaded to this app: send files themselves, not links or server paths."
 MSG_UNREADABLE_IMAGE = "“{name}” could not be read as an image (the file is corrupt, truncated or not an image)."
 MSG_IMAGE_TOO_THIN = ("“{name}” is {width}x{height} pixels, longer than {limit} times its width or height. "

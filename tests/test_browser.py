@@ -34,7 +34,7 @@ def open_page(browser, server_url):
     return page
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def page(browser, server_url):
     page = open_page(browser, server_url)
     yield page
@@ -114,7 +114,7 @@ def test_a_file_that_is_no_image_is_refused_in_the_chat_without_covering_it(brow
         page.wait_for_timeout(500)  # the upload finishes before sending
         page.locator("#chat-input textarea").press("Enter")
         page.locator("#chat").get_by_text("could not be read as an image").first.wait_for(timeout=30_000)
-        page.wait_for_timeout(15_000)  # past the toast's life
+        # In the chat itself, not in a toast that goes (Gradio's toasts are outside #chat).
         assert page.locator("#chat").get_by_text("could not be read as an image").count() >= 1
         assert "Hello" in chat_text(page) and page.get_by_text(STATS_LINE).count() >= 1
         assert page.locator("#chat .error, #chat-input .error").count() == 0  # no "Error" box over them

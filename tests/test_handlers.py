@@ -115,6 +115,15 @@ def test_a_question_refused_before_it_is_asked_is_explained_in_the_chat_and_stay
     assert history[-1]["metadata"]["title"].startswith("⚠️") and box == "What happens?"
 
 
+def test_an_image_whose_upload_expired_is_explained(handlers, manager, tmp_path):
+    """Uploads are deleted after a while (app.web.uploads): a follow-up about a conversation whose image has
+    gone says so, rather than calling it a file that was never uploaded."""
+    gone = str(tmp_path / "expired.png")
+    history = [{"role": "user", "content": {"path": gone}}, {"role": "user", "content": "And now?"}]
+    _, final = run(handlers, manager, history)
+    assert "“expired.png” is no longer on the server" in final[-1]["content"]
+
+
 def test_failed_turn_is_removed_and_explained(handlers, manager, red_image, tmp_path):
     _, good = run(handlers, manager, [{"role": "user", "content": {"path": red_image}}, {"role": "user", "content": "Hi"}])
     broken = tmp_path / "vanished.png"

@@ -4,7 +4,7 @@ that an upload is a local file at all."""
 import os
 
 from app import limits
-from app.messages import MSG_NOT_AN_UPLOAD, MSG_UNSUPPORTED_FILE
+from app.messages import MSG_NOT_AN_UPLOAD, MSG_UNSUPPORTED_FILE, MSG_UPLOAD_GONE
 from app.errors import UserError
 
 
@@ -27,7 +27,11 @@ def check_local_file(path) -> None:
     could read as a URL, a protocol (FFmpeg's `rtsp:`, `concat:`, `pipe:`) or a device. The web side has
     already checked that the file is one of its uploads (app.ui.file_inputs); this holds in the engine
     whoever calls it."""
-    if not (isinstance(path, str) and "\0" not in path and os.path.isabs(path) and os.path.isfile(path)):
+    if not (isinstance(path, str) and "\0" not in path and os.path.isabs(path)):
+        raise UserError(MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
+    if not os.path.lexists(path):  # an upload that expired (app.web.uploads), or a file named that never was
+        raise UserError(MSG_UPLOAD_GONE.format(name=shown_name(path)))
+    if not os.path.isfile(path):
         raise UserError(MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
 
 

@@ -40,7 +40,9 @@ def _inside(path: str, folder: str) -> bool:
     if "\0" in path or not os.path.isabs(path):  # a relative path or "scheme:..." is never an upload's
         return False
     real = os.path.realpath(path)
-    return real.startswith(folder + os.sep) and os.path.isfile(real)
+    # A name inside the folder whose file has gone (an upload that expired: app.web.uploads) passes: it opens
+    # nothing, and the reply says the image could not be read, as for any conversation older than the age.
+    return real.startswith(folder + os.sep) and not os.path.isdir(real)
 
 
 class UploadsOnlyBlocks(gr.Blocks):
