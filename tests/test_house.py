@@ -120,16 +120,15 @@ def test_a_default_reply_longer_than_the_cap_is_refused_in_one_line():
 
 
 # The main function of each kind of process the app starts (app.startup's docstring lists them).
-PROCESS_MAINS = {"app/main.py": "main", "app/engine/process.py": "serve", "app/web/processes.py": "_serve_web",
-                 "app/engine/preparers.py": "_load_processor"}
+PROCESS_MAINS = (("app/main.py", "main"), ("app/engine/process.py", "serve"), ("app/web/processes.py", "_serve_web"),
+                 ("app/web/processes.py", "_serve_front"), ("app/engine/preparers.py", "_load_processor"))
 
 
 def test_every_kind_of_process_starts_through_one_routine():
     """Signals, logging, the environment's knobs, the GIL interval and torch's threads are set in
     app.startup.start_process, which every process's main calls first; nowhere else."""
-    mains = dict(PROCESS_MAINS, **{"app/web/processes.py#front": "_serve_front"})
-    for where, name in mains.items():
-        tree = ast.parse((ROOT / where.split("#")[0]).read_text())
+    for where, name in PROCESS_MAINS:
+        tree = ast.parse((ROOT / where).read_text())
         function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name)
         calls = {node.func.id for node in ast.walk(function) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
         assert "start_process" in calls, f"{where}: {name} does not call start_process"
