@@ -1,6 +1,6 @@
 """What every process of the app does as it starts, and once it has started, in one place: the limits and
 knobs the environment sets, logging tagged with the process's kind, signals, Python's GIL switch interval,
-torch's threads, and gc.freeze. The processes: the one started by `python app.py` (the only one, or the
+torch's threads (for the engine once its device is known: engine_device_chosen), and gc.freeze. The processes: the one started by `python app.py` (the only one, or the
 parent of the others), the engine process, the web processes, the fronts and the preparing workers."""
 
 import gc
@@ -31,6 +31,17 @@ def start_process(kind: str | None = None, on_sigterm: Callable[[], None] | None
         import torch
 
         torch.set_num_threads(torch_threads)
+
+
+def engine_device_chosen(device: str) -> None:
+    """The process that drives the model knows its device (at its model's load). On a GPU, its own tensor
+    work is small index lists, which torch's pool of a thread per core made slower while it kept 15
+    threads spinning (1.1 cores at 200 users on a 16-core H200 box, docs/DECISIONS.md D13), cores the
+    preparers need: one thread."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def started() -> None:

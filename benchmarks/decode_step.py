@@ -84,12 +84,12 @@ def main() -> None:
     manager = ModelManager(AppConfig(model=model, load_in_4bit=args.load_in_4bit))
     manager.load()
     runner = manager.runner
-    eager_step = runner.decode_step
+    eager_step = runner.text.decode_step
     if args.compile:
         import torch._dynamo
 
         torch._dynamo.config.recompile_limit = 64  # one graph per batch bucket
-        runner.decode_step = torch.compile(eager_step, dynamic=False)
+        runner.steps.step = torch.compile(eager_step, dynamic=False)  # what the captured graphs run
     batches = [int(b) for b in args.batches.split(",")]
     room = args.prompt_tokens + 4 * (args.steps + 2) + 16
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "prompt_tokens": args.prompt_tokens,
@@ -119,11 +119,15 @@ def main() -> None:
         check = min(64, max(batches))
         tokens = torch.randint(1000, 100000, (check,), device="cuda")
         saved = snapshot()
-        eager = runner.decode_step_through_transformers(tokens, runner.store.lengths[:check].clone()).float()
+        from app.model.backends import FusedText
+        from app.model.text.layers import PromptEmbedder, TransformersText
+
+        through_transformers = TransformersText(runner.model, runner.store, PromptEmbedder(runner.model))
+        eager = through_transformers.decode_step(tokens, runner.store.lengths[:check].clone()).float()
         restore(saved)
-        graphed = runner.graphs.run(tokens).float()
+        graphed = runner.steps.run(tokens).float()
         restore(saved)
-        results["fused"] = runner.fused is not None
+        results["fused"] = isinstance(runner.text, FusedText)
         results["graph_same_choice_as_transformers"] = float((eager.argmax(-1) == graphed.argmax(-1)).float().mean())
         results["graph_max_abs_logit_diff"] = float((eager - graphed).abs().max())
         results["logit_scale"] = float(eager.abs().max())
@@ -134,11 +138,11 @@ def main() -> None:
             tokens = torch.randint(1000, 100000, (batch,), device="cuda")
             torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
-            runner.graphs.run(tokens)  # capture outside the timing
+            runner.steps.run(tokens)  # capture outside the timing
             torch.cuda.synchronize()
             capture_ms = (time.perf_counter() - started) * 1000
             restore(saved)
-            graph_ms = timed_steps(lambda: runner.graphs.run(tokens), args.steps)
+            graph_ms = timed_steps(lambda: runner.steps.run(tokens), args.steps)
             restore(saved)
             eager_ms = None
             if args.eager:
@@ -146,7 +150,7 @@ def main() -> None:
                 restore(saved)
             profiled = None
             if args.profile:
-                profiled = {"graph": kernel_profile(lambda: runner.graphs.run(tokens), 10, args.profile)}
+                profiled = {"graph": kernel_profile(lambda: runner.steps.run(tokens), 10, args.profile)}
                 restore(saved)
                 profiled["eager"] = kernel_profile(lambda: eager_step(tokens, runner.store.lengths[:batch].clone()), 3, args.profile)
                 restore(saved)

@@ -21,10 +21,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import AppConfig  # noqa: E402
-from app.model.cuda_graphs import PREFILL_GRAPH_ROWS  # noqa: E402
+from app.model.backends import FusedText  # noqa: E402
+from app.model.cuda_graphs import PREFILL_GRAPH_ROWS, LaunchedPrefills  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
-from app.model.vision.tower import tune_vision_tower  # noqa: E402
+from app.model.text.layers import PromptEmbedder, TransformersText  # noqa: E402
+from app.model.vision.fused import FusedVisionTower  # noqa: E402
+from app.model.vision.tower import TransformersVisionTower  # noqa: E402
 from benchmarks.decode_step import kernel_profile  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
@@ -72,16 +75,16 @@ def main() -> None:
     def vision(rows):
         return runner.encode_media([(prepared.tensors, mode)] * rows)
 
-    fused_vision = runner.fused_vision
-    if fused_vision is not None:
-        tune_vision_tower(runner.model)  # transformers' modules as the runner tunes them when it does not fuse
+    fused_vision = runner.vision if isinstance(runner.vision, FusedVisionTower) else None
+    if fused_vision is not None:  # transformers' modules as the runner tunes them when it does not fuse
+        transformers_vision = TransformersVisionTower(runner.model)
 
     def vision_through_transformers(rows):
-        runner.fused_vision = None
+        runner.vision = transformers_vision
         try:
             return vision(rows)
         finally:
-            runner.fused_vision = fused_vision
+            runner.vision = fused_vision
 
     def prompts(features):
         return [(prepared.tensors["input_ids"], feature, prepared.canvas) for feature in features]
@@ -89,18 +92,20 @@ def main() -> None:
     def text(rows, features):
         return runner.prefill(prompts(features), 0, prepared.prompt_tokens + 128)
 
-    prefill_graphs = runner.prefill_graphs
+    fused_text = runner.text if isinstance(runner.text, FusedText) else None
+    prefill_graphs = fused_text.prefill_graphs if fused_text else LaunchedPrefills()
+    through_transformers = TransformersText(runner.model, runner.store, PromptEmbedder(runner.model))
 
     def text_eager(rows, features):  # the fused text model launched from Python, where a graph would replay
-        runner.prefill_graphs = None
+        fused_text.prefill_graphs = LaunchedPrefills()
         try:
             return text(rows, features)
         finally:
-            runner.prefill_graphs = prefill_graphs
+            fused_text.prefill_graphs = prefill_graphs
 
     def text_through_transformers(rows, features):
         runner.store.reserve(rows, prepared.prompt_tokens + 128)
-        return runner.prefill_through_transformers(prompts(features), 0)
+        return through_transformers.prefill(prompts(features), 0)
 
     with torch.inference_mode():
         for rows in args.rows:
@@ -113,13 +118,13 @@ def main() -> None:
                 difference = max(float((ours.float() - reference.float()).abs().max()) for ours, reference in zip(features, theirs))
                 wave.update(vision_ms_through_transformers=round(theirs_ms, 1), max_abs_feature_diff=difference,
                             max_abs_feature=float(theirs[0].float().abs().max()))
-            if prefill_graphs is not None and rows in PREFILL_GRAPH_ROWS:  # the captured prefill against launches
+            if not isinstance(prefill_graphs, LaunchedPrefills) and rows in PREFILL_GRAPH_ROWS:  # the captured prefill against launches
                 logits = logits.clone()  # the graph's output, overwritten by its next replay
                 eager_ms, eager = timed(synchronize, lambda: text_eager(rows, features), args.runs)
                 wave.update(text_ms_launched=round(eager_ms, 1),
                             launched_same_choice=float((logits.argmax(-1) == eager.argmax(-1)).float().mean()),
                             launched_max_abs_logit_diff=float((logits.float() - eager.float()).abs().max()))
-            if runner.fused is not None:  # the fused text model against transformers' layers
+            if fused_text is not None:  # the fused text model against transformers' layers
                 theirs_ms, theirs = timed(synchronize, lambda: text_through_transformers(rows, features), args.runs)
                 wave.update(text_ms_through_transformers=round(theirs_ms, 1),
                             same_choice=float((logits.argmax(-1) == theirs.argmax(-1)).float().mean()),

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from app.model.backends import FusedText
 from app.model.runner import BatchRunner
+from app.model.text.layers import TransformersText
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +42,7 @@ def restore(store, saved: list[dict]) -> None:
 def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
     model = tiny_model(config, tmp_path)
     runner = BatchRunner(model)
-    assert runner.fused is not None
+    assert isinstance(runner.text, FusedText)
     store = runner.store
     vocab = model.config.text_config.vocab_size
     torch.manual_seed(0)
@@ -54,10 +56,10 @@ def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
         for _ in range(4):
             tokens = torch.randint(0, vocab, (3,))
             before = snapshot(store)
-            expected = runner.decode_step_through_transformers(tokens, positions.clone())
+            expected = runner.text.through_transformers.decode_step(tokens, positions.clone())
             expected_state = snapshot(store)
             restore(store, before)
-            fused = runner.fused.decode(tokens, positions.clone())
+            fused = runner.text.fused.decode(tokens, positions.clone())
             torch.testing.assert_close(fused, expected, rtol=1e-4, atol=1e-4)
             for ours, theirs in zip(snapshot(store), expected_state):
                 for layer in theirs:
@@ -87,7 +89,7 @@ def test_fused_prefill_gives_transformers_logits_and_state(config, tmp_path):
         # that by up to 4e-5 in these logits, in float64 too; the packed prompts match it to 1e-15.)
         for index, prompt in enumerate(prompts):
             slot = 1 + index
-            expected = runner.prefill_through_transformers([prompt], slot)
+            expected = runner.text.through_transformers.prefill([prompt], slot)
             torch.testing.assert_close(fused[index], expected[0], rtol=1e-4, atol=1e-4)
             for mine, theirs in zip(ours, snapshot(store)):
                 assert mine.keys() == theirs.keys()
@@ -116,7 +118,7 @@ class PackedLinear(torch.nn.Module):  # as GPTQ's and AWQ's are: no nn.Linear, n
 def test_quantized_layers_decode_through_transformers(replace, tmp_path):
     model = tiny_model(TINY_CONFIG, tmp_path)
     replace(model.model.language_model.layers[-1].mlp)
-    assert BatchRunner(model).fused is None
+    assert isinstance(BatchRunner(model).text, TransformersText)
 
 
 def test_triton_kernels_equal_their_pytorch_versions():
@@ -171,7 +173,7 @@ def test_front_padded_prefill_equals_packed_prefill(config, tmp_path):
     prompts = [embed(torch.randint(0, model.config.text_config.vocab_size, (size,))) for size in lengths]
     with torch.inference_mode():
         store.reserve(4, 128)
-        packed = runner.fused.prefill(torch.cat(prompts), list(lengths), 1)
+        packed = runner.text.fused.prefill(torch.cat(prompts), list(lengths), 1)
         expected = snapshot(store)
         for states in state_kinds(store):  # what the padded run leaves must be its own
             for tensor in states.values():
@@ -180,7 +182,7 @@ def test_front_padded_prefill_equals_packed_prefill(config, tmp_path):
         for row, prompt in enumerate(prompts):
             padded[(row + 1) * length - len(prompt):(row + 1) * length] = prompt
         pads = torch.tensor([length - size for size in lengths])
-        logits = runner.fused.prefill_padded(padded, pads, torch.tensor([1, 2, 3]))
+        logits = runner.text.fused.prefill_padded(padded, pads, torch.tensor([1, 2, 3]))
         # The delta rule runs in fp32 (transformers' version casts to it) in chunks that start elsewhere
         # here: 1e-3 (a mistake in the padding costs O(1): a wrong mask gave 2.6).
         torch.testing.assert_close(logits, packed, rtol=1e-3, atol=1e-3)

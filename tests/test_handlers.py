@@ -13,13 +13,19 @@ def handlers(manager):
     return Handlers(manager)
 
 
-def settings_values(manager, **overrides):
+def ui_settings(manager, **overrides) -> dict:
+    """The settings as the UI's components hold them (SETTING_KEYS), by name."""
     values = {**manager.default_settings().as_dict(), "max_new_tokens": 12, "min_new_tokens": 12, **overrides}
-    return [values[key] for key in SETTING_KEYS]
+    return {key: values[key] for key in SETTING_KEYS}
+
+
+def settings_values(manager, **overrides):
+    """The same, in the order an event passes them."""
+    return list(ui_settings(manager, **overrides).values())
 
 
 def run(handlers, manager, history, **overrides):
-    updates = list(handlers.respond(history, *settings_values(manager, **overrides)))
+    updates = list(handlers.respond(history, ui_settings(manager, **overrides)))
     return updates, updates[-1]
 
 
@@ -158,7 +164,7 @@ def test_multi_image_order_costs_and_questions(handlers, manager, tmp_path):
     assert moved == [paths[0], paths[2], paths[1]] and selected == 1
     removed, selected = Handlers.remove_image(moved, 0)
     assert removed == [paths[2], paths[1]] and selected is None
-    costs = handlers.image_costs(moved, *settings_values(manager))
+    costs = handlers.image_costs(moved, ui_settings(manager))
     assert "| 1 | a.png | 640 |" in costs and "| 2 | c.png | 578 |" in costs and "| 3 | b.png | 64 |" in costs
     history, box = handlers.add_multi_image_question("What changed?", moved, [])
     assert [m["content"] for m in history] == [{"path": paths[0]}, {"path": paths[2]}, {"path": paths[1]}, "What changed?"]

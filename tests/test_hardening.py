@@ -162,18 +162,25 @@ def test_32_concurrent_users_each_get_their_own_answer(server_url, tmp_path):
 def test_full_line_answers_busy_at_once_and_the_line_still_finishes(server_url, manager, red_image, monkeypatch):
     monkeypatch.setattr(manager.scheduler, "max_waiting", 2)
     monkeypatch.setattr(manager.scheduler, "max_batch", 1)
+    # The running reply's steps wait until the full line has been asked: however fast or slow the machine,
+    # one is running and two are waiting then.
+    line_asked = threading.Event()
+    decode = manager.runner.decode
+    monkeypatch.setattr(manager.runner, "decode", lambda tokens: line_asked.wait(60) and decode(tokens))
     slow = {"max_new_tokens": 600, "min_new_tokens": 600, "do_sample": False}
     clients = [Client(server_url, verbose=False) for _ in range(3)]
-    # One running, two waiting (submitted together, so the first is still answering when the others join).
     jobs = [client.submit("Long answer please.", [handle_file(red_image)], slow, api_name="/ask") for client in clients]
-    deadline = time.monotonic() + 30
-    while manager.scheduler.waiting < 2 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while (manager.scheduler.waiting, manager.scheduler.running) != (2, 1) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert manager.scheduler.waiting == 2
-    started = time.monotonic()
-    with pytest.raises(AppError, match="busy.*try again"):
-        stream(Client(server_url, verbose=False), "Me too!", [red_image], FIXED)
-    assert time.monotonic() - started < 5  # at once, not after the line
+    try:
+        assert (manager.scheduler.waiting, manager.scheduler.running) == (2, 1)
+        started = time.monotonic()
+        with pytest.raises(AppError, match="busy.*try again"):
+            stream(Client(server_url, verbose=False), "Me too!", [red_image], FIXED)
+        assert time.monotonic() - started < 5  # at once, not after the line
+    finally:
+        line_asked.set()
     for job in jobs:
         assert job.result()[1]["new_tokens"] == 600
 

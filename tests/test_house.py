@@ -65,8 +65,8 @@ def test_no_import_circles():
         visit(name)
 
 
-def test_the_web_side_loads_without_torch():
-    """Everything a web process imports loads with torch (and Triton) made unimportable."""
+def loads_without_torch(modules: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """Import `modules` in a fresh interpreter where torch (and Triton) cannot be imported."""
     script = (
         "import sys, importlib.abc\n"
         "class NoTorch(importlib.abc.MetaPathFinder):\n"
@@ -74,13 +74,37 @@ def test_the_web_side_loads_without_torch():
         "        if name.split('.')[0] in ('torch', 'triton', 'torchvision'):\n"
         "            raise ImportError(f'{name} is not importable here')\n"
         "sys.meta_path.insert(0, NoTorch())\n"
-        f"for name in {WEB_SIDE!r}:\n"
+        f"for name in {modules!r}:\n"
         "    __import__(name)\n"
         "print('loaded', len(sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_web_side_loads_without_torch():
+    """Everything a web process imports loads with torch (and Triton) made unimportable."""
+    result = loads_without_torch(WEB_SIDE)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_scheduler_never_touches_the_gpu():
+    """The scheduler decides; the GPU's work goes through the runner it is handed (nano-vllm's split):
+    it imports nothing of app.model and loads without torch."""
+    path = APP / "engine" / "scheduler.py"
+    assert not {name for name in imported_modules(path, app_modules()) if name.startswith("app.model")}
+    result = loads_without_torch(("app.engine.scheduler",))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_runner_decides_its_backends_once():
+    """Fused or transformers, graphs or launches, side streams or one: each is an object chosen when the
+    runner is made (app.model.backends, cuda_graphs, streams), never a None checked on the way."""
+    tree = ast.parse((APP / "model" / "runner.py").read_text())
+    checks = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+              and isinstance(node.left, ast.Attribute) and isinstance(node.left.value, ast.Name)
+              and node.left.value.id == "self" and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)]
+    assert not checks, f"app/model/runner.py checks an attribute for None at lines {checks}"
 
 
 def test_files_and_functions_are_of_a_readable_size():
@@ -132,7 +156,7 @@ def test_every_kind_of_process_starts_through_one_routine():
         function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name)
         calls = {node.func.id for node in ast.walk(function) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
         assert "start_process" in calls, f"{where}: {name} does not call start_process"
-    setters = ("setswitchinterval", "basicConfig", "freeze")
+    setters = ("setswitchinterval", "basicConfig", "freeze", "set_num_threads")
     for name, path in app_modules().items():
         if name == "app.startup":
             continue

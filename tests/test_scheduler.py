@@ -4,6 +4,7 @@ handed out, and what that step chose still counts for the next one's choice."""
 import torch
 
 from app.engine.metrics import EngineMetrics
+from app.model.sampling import choose
 from app.engine.scheduler import Request, Scheduler
 from app.engine.settings import GenerationSettings
 
@@ -23,6 +24,12 @@ class SameLogits:
         self.steps += 1
         return self.logits.expand(tokens.shape[0], -1).clone()
 
+    def choose(self, logits, rows, seen, barred):
+        return choose(logits, rows, seen, barred, torch.tensor([END]))
+
+    def tokens_on_device(self, tokens):
+        return torch.tensor(tokens)
+
     def move(self, source: int, target: int) -> None:
         pass
 
@@ -31,10 +38,10 @@ def running(logits: list[float], **settings) -> tuple[Scheduler, Request, list[s
     """A scheduler running one request past its first token, and the kinds of event the request got."""
     scheduler = Scheduler(max_batch=4, max_waiting=0, metrics=EngineMetrics())
     scheduler.runner = SameLogits(logits)
-    scheduler._end_token_ids, scheduler._end_token_set = torch.tensor([END]), {END}
+    scheduler._end_token_set = {END}
     events = []
-    request = Request(prepared=None, settings=GenerationSettings(do_sample=False, **settings), version=0,
-                      prepare_again=None, requested_at=0.0, emit=lambda kind, value: events.append(kind))
+    request = Request(messages=[], prepared=None, settings=GenerationSettings(do_sample=False, **settings), version=0,
+                      requested_at=0.0, emit=lambda kind, value: events.append(kind))
     request.last_token = 0
     scheduler._running.append(request)
     return scheduler, request, events

@@ -6,6 +6,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from app.model.vision import tower as vision_tower
+from app.model.vision.fused import FusedVisionTower
 from app.model.runner import BatchRunner
 from app.engine.inputs import load_processor, normalized_pixels, prepare_inputs
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
@@ -97,7 +98,7 @@ def test_tower_gives_the_models_own_features(config, fused, tmp_path, monkeypatc
     processor = AutoProcessor.from_pretrained(folder)
     as_shipped = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval().double()
     runner = BatchRunner(AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval().double())
-    assert (runner.fused_vision is not None) == fused
+    assert isinstance(runner.vision, FusedVisionTower) == fused
     images = [make_image(tmp_path, f"{i}.png", size, (40 * i, 90, 200 - 40 * i))
               for i, size in enumerate([(1344, 1344), (700, 300), (180, 900)])]
     video = make_video(tmp_path, seconds=3, fps=4)
@@ -126,5 +127,5 @@ def test_a_quantized_tower_keeps_transformers_modules(tmp_path):
     model = tiny_model(TINY_CONFIG, tmp_path)
     model.model.vision_tower.encoder.layers[-1].mlp.fc2.__class__ = LinearSubclass
     runner = BatchRunner(model)
-    assert runner.fused_vision is None
+    assert isinstance(runner.vision, vision_tower.TransformersVisionTower)
     assert model.model.vision_tower.config._attn_implementation == vision_tower.NAME

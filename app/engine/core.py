@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.model.runner import BatchRunner, canvas_positions, release_gpu_memory
+from app.model.runner import BatchRunner, canvas_positions
 from app.engine.inputs import PreparedInputs
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
@@ -61,13 +61,7 @@ class ModelManager:
         started = time.perf_counter()
         self.source = resolve_model(self.config.model)
         self.device = pick_device(self.config.device)
-        if self._on_cuda:
-            # The model runs on the GPU: this process's own tensor work is small index lists, which torch's
-            # pool of a thread per core made slower while it kept 15 threads spinning (1.1 cores at 200
-            # users on a 16-core H200 box, docs/DECISIONS.md D13), cores the preparers need.
-            import torch
-
-            torch.set_num_threads(1)
+        startup.engine_device_chosen(self.device)
         dtype = pick_dtype(self.config.dtype, self.device)
         self.model, self.processor = load_model_and_processor(
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code,
@@ -80,7 +74,7 @@ class ModelManager:
                          else ThreadPreparer(self.processor, pixel_dtype))
         # On ZeroGPU each request runs in a fresh GPU worker: captured graphs would not outlive it.
         self.runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
-        self.scheduler.attach(self.runner, self._end_token_ids(), self._version)
+        self.scheduler.attach(self.runner, self._version, self._prepare_again)
         self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
@@ -124,19 +118,16 @@ class ModelManager:
 
     def _warm_up_shapes(self) -> None:
         """BatchRunner.warm_up_shapes with the scheduler paused (after a model switch users may be waiting)."""
-        import torch
-
         if not self.scheduler.pause(limits.SWITCH_WAIT_S):
             log.warning("Replies kept running: the kernel warm-up for every batch shape was skipped")
             return
         try:
-            with torch.inference_mode():
-                shapes = self.runner.warm_up_shapes(self.config.max_batch_size, tuning.PREFILL_TOKENS_PER_STEP)
+            shapes = self.runner.warm_up_shapes(self.config.max_batch_size, tuning.PREFILL_TOKENS_PER_STEP)
             log.info("Warmed up %d prefill shapes and the decode step up to batch %d", len(shapes), self.config.max_batch_size)
         except Exception as error:  # out of memory on a small card, say: serve anyway, kernels build on first use
             log.error("The warm-up of every batch shape stopped; serving without it", exc_info=error)
             self.runner.release()
-            release_gpu_memory(error)
+            self.runner.after_error(error)
         finally:
             self.scheduler.resume()
 
@@ -270,13 +261,6 @@ class ModelManager:
         """Requests in the running batch: zero once every request has left the GPU."""
         return self.scheduler.running
 
-    def _end_token_ids(self):
-        import torch
-
-        end = self.model.generation_config.eos_token_id
-        end = [] if end is None else [end] if isinstance(end, int) else list(end)
-        return torch.tensor(end, dtype=torch.long, device=self.model.device)
-
     # Serving ---------------------------------------------------------------------------------------
 
     def plan_images(self, paths: list[str], settings: GenerationSettings) -> SlicePlan:
@@ -306,22 +290,27 @@ class ModelManager:
         is prepared too: a crowd beyond it hears so without costing the engine any image decoding.
         """
         version = self._version
-
-        def prepare_and_tell() -> PreparedInputs:  # again if the model was switched while the request waited
-            prepared = self.prepare(messages, settings)
-            emit(ReplyEvent.PREPARED, prepared_summary(prepared, self.source.path, time.perf_counter()))
-            return prepared
-
         try:
             self.scheduler.check_room()
-            request = Request(prepared=prepare_and_tell(), settings=settings, version=version, requested_at=requested_at,
-                              prepare_again=prepare_and_tell, emit=emit, cancelled=cancelled or threading.Event())
+            request = Request(messages=messages, prepared=self._prepare_and_tell(messages, settings, emit),
+                              settings=settings, version=version, requested_at=requested_at, emit=emit,
+                              cancelled=cancelled or threading.Event())
             self.scheduler.submit(request)
         except Busy as error:
             self.metrics.request_done("busy")
             emit(ReplyEvent.REFUSED, error)
             return None
         return request
+
+    def _prepare_and_tell(self, messages: list[dict], settings: GenerationSettings,
+                          emit: Callable[[str, object], None]) -> PreparedInputs:
+        prepared = self.prepare(messages, settings)
+        emit(ReplyEvent.PREPARED, prepared_summary(prepared, self.source.path, time.perf_counter()))
+        return prepared
+
+    def _prepare_again(self, request: Request) -> PreparedInputs:
+        """For the scheduler: a request that waited through a model switch, prepared for the new model."""
+        return self._prepare_and_tell(request.messages, request.settings, request.emit)
 
     def stream(self, messages: list[dict], settings: GenerationSettings,
                stop: StopSignal | None = None) -> Iterator[ReplyUpdate]:

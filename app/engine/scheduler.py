@@ -37,15 +37,11 @@ from typing import Callable
 
 from app import tuning
 from app.messages import MSG_BUSY, MSG_SAMPLING_FAILED
-from app.model.runner import release_gpu_memory
-from app.model.streams import MediaEncoding
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
-from app.model.sampling import RowSettings, next_tokens, usable_as_input
 from app.engine.api import ReplyEvent
-from app.engine.settings import GenerationSettings
+from app.engine.settings import GenerationSettings, RowSettings
 from app.engine.waves import wave_size
-from app.model.transfers import TokensOnTheirWay, on_device
 from app.errors import Busy, UserError
 
 log = logging.getLogger(__name__)
@@ -53,12 +49,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Request:
+    messages: list[dict]  # the conversation, to prepare again if the model is switched while it waits
     prepared: PreparedInputs
     settings: GenerationSettings
     version: int  # the model load the inputs were prepared for
-    prepare_again: Callable[[], PreparedInputs]  # for a request that waited through a model switch
     requested_at: float
-    emit: Callable[[str, object], None]  # hands the caller an event: see app.engine.core.follow_reply
+    emit: Callable[[str, object], None]  # hands the caller an event (app.engine.api.ReplyEvent)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started_at: float | None = None
     first_token_at: float | None = None
@@ -80,8 +76,7 @@ class Request:
 class LaunchedStep:
     """A decode step launched and not yet handed out."""
     requests: list[Request]  # its rows, in slot order
-    chosen: object  # each row's next token, on the device, as the next step's input
-    read_back: TokensOnTheirWay
+    choice: object  # app.model.sampling.Choice: each row's next token, on the device and on its way back
     launched_at: float
 
 
@@ -96,12 +91,13 @@ class Scheduler:
         self.metrics = metrics
         self.runner = None
         self.version = 0
-        self._end_token_ids = None
+        self._prepare_again: Callable[[Request], PreparedInputs] | None = None
         self._end_token_set: set[int] = set()
         self._changed = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # request i holds slot i
-        self._encoding: tuple[list[Request], MediaEncoding] | None = None  # a wave whose media are being encoded
+        # A wave whose media are being encoded, with its app.model.streams.MediaEncoding.
+        self._encoding: tuple[list[Request], object] | None = None
         self._in_flight: LaunchedStep | None = None  # its requests are self._running, in the same order
         self._paused = False
         self._thread: threading.Thread | None = None
@@ -109,11 +105,12 @@ class Scheduler:
 
     # Control -------------------------------------------------------------------------------------
 
-    def attach(self, runner, end_token_ids, version: int) -> None:
-        """Serve with `runner` (a freshly loaded model) from now on."""
+    def attach(self, runner, version: int, prepare_again: Callable[[Request], PreparedInputs]) -> None:
+        """Serve with `runner` (app.model.runner.BatchRunner, a freshly loaded model) from now on;
+        `prepare_again` prepares a request that waited through the switch for it."""
         with self._changed:
-            self.runner, self._end_token_ids, self.version = runner, end_token_ids, version
-            self._end_token_set = set(end_token_ids.tolist())
+            self.runner, self.version, self._prepare_again = runner, version, prepare_again
+            self._end_token_set = set(runner.end_token_ids)
             self._paused = False
             self._changed.notify_all()
         if self._thread is None and not self.inline:
@@ -166,17 +163,12 @@ class Scheduler:
     # The loop ------------------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        import torch
-
-        with torch.inference_mode():
-            while True:
-                self._iteration(wait=True)
+        while True:
+            self._iteration(wait=True)
 
     def drive(self) -> None:
         """Inline mode: one loop iteration on the calling thread (one caller at a time)."""
-        import torch
-
-        with self._driving, torch.inference_mode():
+        with self._driving:
             worked = self._iteration(wait=False)
         if not worked:  # nothing to run (a model switch holds the line): do not spin
             with self._changed:
@@ -184,13 +176,13 @@ class Scheduler:
 
     def _iteration(self, wait: bool) -> bool:
         """Admit a wave and start encoding its media, prefill the wave whose media are ready, decode once;
-        False if there was nothing to do."""
-        if self._encoding is None:
-            self._encode(self._next_admissions(wait))
-        if self._encoding is None and not self._running:
+        False if there was nothing to do. The GPU's work goes through the runner alone."""
+        admitted = self._next_admissions(wait) if self._encoding is None else []
+        if not admitted and self._encoding is None and not self._running:
             return False
         try:
-            with self.runner.on_serving_stream():
+            with self.runner.serving():
+                self._encode(admitted)
                 # With nothing running there is nothing to do meanwhile: wait for the media.
                 if self._encoding is not None and self._encoding[1].ready(wait=not self._running):
                     self._settle()
@@ -206,7 +198,7 @@ class Scheduler:
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
             encoding, self._encoding, self._in_flight = self._encoding, None, None
-            fail(self._running + (encoding[0] if encoding else []), error)
+            self._fail(self._running + (encoding[0] if encoding else []), error)
             self._leave(lambda request: True)
         return True
 
@@ -239,7 +231,7 @@ class Scheduler:
             request.started_at = now
             if request.version != self.version:
                 try:
-                    request.prepared = request.prepare_again()
+                    request.prepared = self._prepare_again(request)
                     request.version = self.version
                 except Exception as error:
                     request.emit(ReplyEvent.ERROR, error)
@@ -250,7 +242,7 @@ class Scheduler:
             encoding = self.runner.encode_media_ahead([(r.prepared.tensors, r.settings.downsample_mode) for r in admitted],
                                                       decoding=bool(self._running))
         except Exception as error:
-            fail(admitted, error)
+            self._fail(admitted, error)
             return
         for request in admitted:
             request.prepared.drop_pixels()
@@ -268,13 +260,13 @@ class Scheduler:
             prompts = [(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, encoding.features())]
             logits = self.runner.prefill(prompts, len(self._running), columns)
         except Exception as error:
-            fail(admitted, error)
+            self._fail(admitted, error)
             return
         for request in admitted:
             if request.settings.repetition_penalty != 1.0:
                 request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
         self._running.extend(admitted)
-        self._hand_out(admitted, TokensOnTheirWay(self._choose(admitted, logits, ahead=0)).tolist())
+        self._hand_out(admitted, self._choose(admitted, logits, ahead=0).read_back.tolist())
         self.metrics.tokens(len(admitted))
         self._leave_if_done()
         self.metrics.prefill_work(time.perf_counter() - started)
@@ -282,17 +274,14 @@ class Scheduler:
     def _decode_step(self) -> None:
         """Launch a decode step for every running request, then hand out the step before it (see the
         module's docstring); the step launched stays in flight."""
-        import torch
-
         started = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         if previous is None:
-            tokens = on_device([request.last_token for request in self._running], torch.long, self.runner.device)
+            tokens = self.runner.tokens_on_device([request.last_token for request in self._running])
         else:
-            tokens = previous.chosen
-        chosen = self._choose(self._running, self.runner.decode(tokens), ahead=int(previous is not None))
-        self._in_flight = LaunchedStep(list(self._running), usable_as_input(chosen, [r.row for r in self._running]),
-                                       TokensOnTheirWay(chosen), started)
+            tokens = previous.choice.as_input
+        choice = self._choose(self._running, self.runner.decode(tokens), ahead=int(previous is not None))
+        self._in_flight = LaunchedStep(list(self._running), choice, started)
         if previous is not None:
             self._hand_out_step(previous)
             if any(request.done for request in self._running):  # they leave, which moves slots: settle first
@@ -307,22 +296,16 @@ class Scheduler:
         self._leave_if_done()
 
     def _choose(self, requests: list[Request], logits, ahead: int):
-        """Each request's next token from its row of `logits`, on the device; `ahead`: tokens chosen for
-        each and not handed out yet (they count towards its minimum length)."""
-        import torch
-
+        """Each request's next token from its row of `logits` (an app.model.sampling.Choice); `ahead`:
+        tokens chosen for each and not handed out yet (they count towards its minimum length)."""
         barred = [len(r.generated) + ahead < r.settings.min_new_tokens for r in requests]
-        rows = [r.row for r in requests]
-        chosen = next_tokens(logits, rows, [r.seen for r in requests], barred, self._end_token_ids)
-        if any(request.seen is not None for request in requests):
-            usable = usable_as_input(chosen, rows)
-            for row, request in enumerate(requests):
-                if request.seen is not None:  # on the device, so that the next step's choice need not wait
-                    request.seen = torch.cat([request.seen, usable[row:row + 1]])
-        return chosen
+        choice = self.runner.choose(logits, [r.row for r in requests], [r.seen for r in requests], barred)
+        for request, seen in zip(requests, choice.seen):
+            request.seen = seen
+        return choice
 
     def _hand_out_step(self, step: LaunchedStep) -> None:
-        tokens = step.read_back.tolist()
+        tokens = step.choice.read_back.tolist()
         self.metrics.decode_step(time.perf_counter() - step.launched_at, sum(not r.done for r in step.requests))
         self._hand_out(step.requests, tokens)
 
@@ -370,6 +353,12 @@ class Scheduler:
             request.emit(ReplyEvent.END, {"new_tokens": len(request.generated), "started_at": request.started_at,
                                  "first_token_at": request.first_token_at})
 
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        """Give `error` to each of `requests`, after releasing what an out-of-memory left cached."""
+        self.runner.after_error(error)
+        for request in requests:
+            request.emit(ReplyEvent.ERROR, error)
+
     def _leave(self, leaves: Callable[[Request], bool]) -> None:
         """Free the slots of requests for which `leaves` is true, keeping running slots dense."""
         with self._changed:
@@ -387,10 +376,3 @@ class Scheduler:
 def stream_update_interval(running: int) -> float:
     """Seconds between two updates of one reply while `running` replies stream (see STREAM_UPDATES_PER_S)."""
     return max(tuning.STREAM_UPDATE_INTERVAL_S, running / tuning.STREAM_UPDATES_PER_S)
-
-
-def fail(requests: list[Request], error: Exception) -> None:
-    """Give `error` to each of `requests`, after releasing what an out-of-memory left cached."""
-    release_gpu_memory(error)
-    for request in requests:
-        request.emit(ReplyEvent.ERROR, error)

@@ -8,6 +8,16 @@ from app.errors import UserError
 
 
 @dataclass(frozen=True)
+class RowSettings:
+    """What the token choice reads of one batch row's settings (app.model.sampling)."""
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+
+
+@dataclass(frozen=True)
 class GenerationSettings:
     max_new_tokens: int = limits.DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0

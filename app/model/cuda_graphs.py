@@ -32,8 +32,8 @@ def capture_stream():
 class GraphSet:
     """Captured CUDA graphs of one kind, in one memory pool, valid while the store keeps its tensors."""
 
-    def __init__(self, runner):  # app.model.runner.BatchRunner
-        self.runner = runner
+    def __init__(self, store):  # app.model.batch_cache.SlotStore
+        self.store = store
         self.pool = None
         self.captured: dict = {}
         self.store_generation = None
@@ -44,9 +44,9 @@ class GraphSet:
 
     def _drop_if_stale(self) -> None:
         """Forget every capture if the store has moved its tensors since they were made."""
-        if self.store_generation != self.runner.store.generation:
+        if self.store_generation != self.store.generation:
             self.clear()
-            self.store_generation = self.runner.store.generation
+            self.store_generation = self.store.generation
 
     def _capture(self, run: Callable[[], torch.Tensor], name: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """`run` captured as a CUDA graph in this set's pool, with its output tensor. Two warm-up runs first,
@@ -86,14 +86,18 @@ class PrefillGraphs(GraphSet):
 
     given_up = False  # a capture failed: every prefill is launched from Python
 
+    def __init__(self, store, fused):  # fused: app.model.text.fused.FusedTextModel
+        super().__init__(store)
+        self.fused = fused
+
     def capture_all(self, max_rows: int) -> None:
         """Capture every bucket that fits the store now, each with a throwaway prompt into the first slots."""
-        hidden = self.runner.embed.embedding_dim
-        dtype = self.runner.embed.weight.dtype
+        hidden = self.fused.embed.embedding_dim
+        dtype = self.fused.embed.weight.dtype
         for rows in PREFILL_GRAPH_ROWS:
             for length in PREFILL_GRAPH_LENGTHS:
                 if rows <= max_rows and not self.given_up:
-                    self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.runner.device), [1] * rows, 0,
+                    self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.store.device), [1] * rows, 0,
                              length)
 
     def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int,
@@ -104,13 +108,13 @@ class PrefillGraphs(GraphSet):
         if self.given_up:
             return None
         length = length or next((size for size in PREFILL_GRAPH_LENGTHS if size >= max(lengths)), None)
-        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > self.runner.store.column_capacity:
+        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > self.store.column_capacity:
             return None
         self._drop_if_stale()
         rows = len(lengths)
         captured = self.captured.get((rows, length))
         if captured is None:
-            device = self.runner.device
+            device = self.store.device
             static_embeddings = torch.zeros((rows * length, embeddings.shape[1]), dtype=embeddings.dtype, device=device)
             static_places = torch.zeros(2 * rows, dtype=torch.long, device=device)  # padding, then slots
         else:
@@ -127,7 +131,7 @@ class PrefillGraphs(GraphSet):
             # The warm-up runs write these prompts' own (free) slots, as the replay does next.
             try:
                 graph, static_logits = self._capture(
-                    lambda: self.runner.fused.prefill_padded(static_embeddings, static_places[:rows],
+                    lambda: self.fused.prefill_padded(static_embeddings, static_places[:rows],
                                                              static_places[rows:]),
                     f"the prefill of {rows} prompts of up to {length} tokens")
             except RuntimeError as error:  # a kernel that cannot be captured (a library's new version, say)
@@ -137,7 +141,7 @@ class PrefillGraphs(GraphSet):
             self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
             # The warm-up runs may have made the store's layers (its first prefill): no earlier capture can
             # have existed then, and this one uses them.
-            self.store_generation = self.runner.store.generation
+            self.store_generation = self.store.generation
         graph.replay()
         return static_logits
 
@@ -149,12 +153,19 @@ class DecodeGraphs(GraphSet):
     the slot). Growing the store recaptures.
     """
 
+    captures = True
+
+    def __init__(self, store, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        super().__init__(store)
+        self.step = step  # the text backend's decode_step(tokens, positions)
+
     def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The step for slots [0, n) fed `tokens` [n], at the store's lengths; logits [n, vocab]."""
         n = tokens.shape[0]
-        store = self.runner.store
+        store = self.store
         bucket = next((size for size in GRAPH_BUCKETS if size >= n), None)
         if bucket is None:  # beyond the largest bucket: no graph, still correct
-            return self.runner.decode_step(tokens.to(store.device), store.lengths[:n].clone())
+            return self.step(tokens.to(store.device), store.lengths[:n].clone())
         store.reserve(bucket, store.column_capacity)
         self._drop_if_stale()
         if bucket not in self.captured:
@@ -167,27 +178,33 @@ class DecodeGraphs(GraphSet):
         graph.replay()
         return static_logits[:n]
 
+    def capture_all(self, max_rows: int, above: int = 0) -> None:
+        """Capture the step of every bucket in (above, max_rows] (each run once)."""
+        for bucket in GRAPH_BUCKETS:
+            if above < bucket <= max_rows:
+                self.run(torch.zeros(bucket, dtype=torch.long, device=self.store.device))
+
     def _capture_bucket(self, bucket: int):
-        device = self.runner.device
+        device = self.store.device
         static_tokens = torch.zeros(bucket, dtype=torch.long, device=device)
         static_positions = torch.zeros(bucket, dtype=torch.long, device=device)
         # The warm-up runs write column 0 and the DeltaNet states of the bucket's slots, some of which
         # hold running requests: saved and restored.
         saved = self._save_column_zero(bucket)
-        graph, static_logits = self._capture(lambda: self.runner.decode_step(static_tokens, static_positions),
+        graph, static_logits = self._capture(lambda: self.step(static_tokens, static_positions),
                                              f"the decode step for batch {bucket}")
         self._restore(saved)
         return graph, static_tokens, static_positions, static_logits
 
     def _save_column_zero(self, bucket: int):
         """The state that capture warm-ups overwrite: every slot's column 0 and its DeltaNet states."""
-        store = self.runner.store
+        store = self.store
         return ({layer: (t[:bucket, :, 0].clone(), store.values[layer][:bucket, :, 0].clone()) for layer, t in store.keys.items()},
                 {layer: t[:bucket].clone() for layer, t in store.conv.items()},
                 {layer: t[:bucket].clone() for layer, t in store.recurrent.items()})
 
     def _restore(self, saved) -> None:
-        store = self.runner.store
+        store = self.store
         columns, conv, recurrent = saved
         for layer, (keys, values) in columns.items():
             bucket = keys.shape[0]
@@ -197,3 +214,35 @@ class DecodeGraphs(GraphSet):
             store.conv[layer][: state.shape[0]] = state
         for layer, state in recurrent.items():
             store.recurrent[layer][: state.shape[0]] = state
+
+
+class EagerDecode:
+    """The decode step launched from Python each time: DecodeGraphs' interface where nothing is captured
+    (the CPU; ZeroGPU, where the GPU exists only inside the callers' functions)."""
+
+    captures = False
+
+    def __init__(self, store, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.store, self.step = store, step
+
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.step(tokens.to(self.store.device), self.store.lengths[:tokens.shape[0]].clone())
+
+    def capture_all(self, max_rows: int, above: int = 0) -> None:
+        """Nothing to capture."""
+
+    def clear(self) -> None:
+        """Nothing captured to forget."""
+
+
+class LaunchedPrefills:
+    """PrefillGraphs' interface where nothing is captured: every prefill is launched from Python."""
+
+    def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int) -> None:
+        return None
+
+    def capture_all(self, max_rows: int) -> None:
+        """Nothing to capture."""
+
+    def clear(self) -> None:
+        """Nothing captured to forget."""

@@ -8,16 +8,27 @@ from dataclasses import dataclass
 
 import torch
 
-from app.model.transfers import on_device
+from app.engine.settings import RowSettings
+from app.model.transfers import TokensOnTheirWay, on_device
 
 
 @dataclass(frozen=True)
-class RowSettings:
-    do_sample: bool
-    temperature: float
-    top_k: int
-    top_p: float
-    repetition_penalty: float
+class Choice:
+    """A batch's chosen tokens: on the device as the next step's input (usable_as_input), on their way
+    to the host, and each row's seen tokens with its choice appended (None where not kept)."""
+    as_input: torch.Tensor
+    read_back: TokensOnTheirWay
+    seen: list
+
+
+def choose(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.Tensor | None], barred: list[bool],
+           end_token_ids: torch.Tensor) -> Choice:
+    """next_tokens, with what the scheduler needs of them; nothing here waits for the GPU."""
+    chosen = next_tokens(logits, rows, seen, barred, end_token_ids)
+    as_input = usable_as_input(chosen, rows)
+    # On the device, so that the next step's choice need not wait.
+    seen = [None if tokens is None else torch.cat([tokens, as_input[row:row + 1]]) for row, tokens in enumerate(seen)]
+    return Choice(as_input, TokensOnTheirWay(chosen), seen)
 
 
 def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.Tensor | None],

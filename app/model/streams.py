@@ -5,6 +5,7 @@ beside the decode steps (MediaEncoding), and the scheduler's own high-priority s
 import contextlib
 import functools
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -63,7 +64,8 @@ class StagedPixels:
 
 
 class PixelStaging:
-    """The side stream pixels are copied on, and how many bytes wait on the GPU."""
+    """The side stream pixels are copied on, and how many bytes wait on the GPU (CUDA, with captured
+    steps: on ZeroGPU the GPU exists only inside the callers' functions)."""
 
     def __init__(self, device):
         self.device = device
@@ -87,6 +89,50 @@ class PixelStaging:
     def _release(self, size: int) -> None:
         with self._lock:
             self.staged -= size
+
+
+class NoStaging:
+    """PixelStaging's interface where pixels are not staged: they are copied in their wave."""
+
+    def stage(self, pixels: torch.Tensor) -> None:
+        return None
+
+
+class SideStreams:
+    """CUDA: prefills and decode steps on the serving stream, a wave's media encoded on the vision stream
+    beside them (app.model.runner says why)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._serving = serving_stream(device)
+
+    def serving(self):
+        """A context in which GPU work goes to the serving stream."""
+        return torch.cuda.stream(self._serving)
+
+    def encode_ahead(self, encode: Callable[[], list], decoding: bool) -> MediaEncoding:
+        """encode() launched on the vision stream without waiting for it; `decoding`: replies decode
+        meanwhile, and the tower's matrix products leave them tuning.VISION_SM_CARVEOUT SMs."""
+        stream = vision_stream(self.device)
+        with torch.cuda.stream(stream), matmuls_leaving_sms(tuning.VISION_SM_CARVEOUT if decoding else 0):
+            started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started.record(stream)
+            features = encode()
+            done.record(stream)
+        return MediaEncoding(features, (started, done), None)
+
+
+class OneStream:
+    """Elsewhere (the CPU, ZeroGPU, or MINICPMV_MEDIA_ALONGSIDE_DECODING=0): all work on the thread's
+    current stream, media encoded at once."""
+
+    def serving(self):
+        return contextlib.nullcontext()
+
+    def encode_ahead(self, encode: Callable[[], list], decoding: bool) -> MediaEncoding:
+        started = time.perf_counter()
+        features = encode()
+        return MediaEncoding(features, None, time.perf_counter() - started)
 
 
 @contextlib.contextmanager

@@ -27,10 +27,16 @@ from app.media.images import check_image
 from app.media.video import probe_video, sampled_frame_indices
 from app.ui.refusals import log_refusal, refusal
 
-# Order of the settings components that every generating event passes after its own inputs.
+# The settings components, in the order every generating event passes them after its own inputs
+# (app.ui.layout); handlers take them as one dict (settings_dict).
 SETTING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty",
                 "enable_thinking", "max_slice_nums", "downsample_mode", "visual_token_budget",
                 "video_fps", "video_max_frames", "video_slices_per_frame")
+
+
+def settings_dict(values) -> dict:
+    """The settings components' values, in SETTING_KEYS order, as one dict by setting name."""
+    return dict(zip(SETTING_KEYS, values))
 
 
 def _path(file) -> str:
@@ -139,12 +145,12 @@ class Handlers:
 
     # Shared: stream a reply into a chat history -----------------------------------------------------
 
-    def respond(self, history: list, *setting_values, stop=None):
+    def respond(self, history: list, settings: dict, stop=None):
         """Stream the assistant's reply to the last user turn of `history` (Chat, Multi-image and Video
-        tabs); `stop` (app.engine.stop_signal) ends it at once."""
+        tabs) under the UI's `settings` (by name); `stop` (app.engine.stop_signal) ends it at once."""
         history = list(history or [])
         try:
-            settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
+            settings = self.settings_from(settings)
             messages = history_to_messages(history)
             history.append({"role": "assistant", "content": ""})
             # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup takes the
@@ -222,13 +228,12 @@ class Handlers:
 
     # Multi-image tab --------------------------------------------------------------------------------
 
-    def image_costs(self, gallery: list | None, *setting_values) -> str:
+    def image_costs(self, gallery: list | None, settings: dict | None = None) -> str:
         paths = [_path(item) for item in gallery or []]
         if not paths:
             return "Add two or more images, then ask about them together."
         try:
-            settings = self.settings_from(dict(zip(SETTING_KEYS, setting_values)))
-            plan = self.manager.plan_images(paths, settings)
+            plan = self.manager.plan_images(paths, self.settings_from(settings or {}))
         except UserError as error:
             return f"⚠️ {error}"
         rows = [f"| {i + 1} | {os.path.basename(path)} | {tokens:,} |" for i, (path, tokens) in enumerate(zip(paths, plan.tokens_per_image))]

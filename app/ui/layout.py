@@ -12,7 +12,7 @@ from app.config import handler_slots
 from app.model.checkpoint.presets import PRESETS
 from app.ui.cancellable import cancellable
 from app.ui.file_inputs import UploadsOnlyBlocks
-from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, error_message, model_header
+from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, error_message, model_header, settings_dict
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
@@ -82,7 +82,7 @@ def question_then_answer(add, inputs: int, respond, cleared: int):
             return
         yield added
         history = added[0]
-        for history in respond(added[0], *values[inputs:], stop=stop):
+        for history in respond(added[0], settings_dict(values[inputs:]), stop=stop):
             yield history, *[gr.skip()] * cleared
         if ends_in_error(history):
             yield history, *values[:cleared]
@@ -106,7 +106,11 @@ def _wire_question(blocks, box, add, add_inputs: list, outputs: list, respond, s
 
 def _wire_answer(blocks, trigger, respond, chatbot, settings, stop_target, concurrency: int):
     """Stream a reply after `trigger` succeeds; the stop control cancels it (_stop_cancels)."""
-    answer = trigger.success(_streaming(respond, blocks), [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
+
+    def answer_history(history, *values, stop=None):
+        yield from respond(history, settings_dict(values), stop=stop)
+
+    answer = trigger.success(_streaming(answer_history, blocks), [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
                              concurrency_limit=concurrency, api_visibility="undocumented")
     _stop_cancels(stop_target, answer, chatbot)
 
@@ -255,7 +259,11 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace, sidebar: di
     """A changed set of images starts a new conversation."""
     handlers = wiring.handlers
     cost_inputs = [tab.gallery, *wiring.settings]
-    tab.gallery.change(handlers.image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
+
+    def image_costs(gallery, *values):
+        return handlers.image_costs(gallery, settings_dict(values))
+
+    tab.gallery.change(image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
     tab.gallery.upload(lambda: [], None, [tab.chat], api_visibility="undocumented")
     tab.gallery.select(Handlers.selected_index, None, [tab.selected], api_visibility="undocumented")
     for button, offset in ((tab.earlier, -1), (tab.later, 1)):
@@ -265,7 +273,7 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace, sidebar: di
     tab.remove.click(Handlers.remove_image, [tab.gallery, tab.selected], [tab.gallery, tab.selected],
                      api_visibility="undocumented").then(lambda: [], None, [tab.chat], api_visibility="undocumented")
     for control in (sidebar["max_slice_nums"], sidebar["downsample_mode"], sidebar["visual_token_budget"]):
-        control.change(handlers.image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
+        control.change(image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
     _wire_question(wiring.blocks, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
                    [tab.chat, tab.box], handlers.respond, wiring.settings, wiring.concurrency)
 

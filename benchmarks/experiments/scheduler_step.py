@@ -30,9 +30,20 @@ class FixedLogits:
         import torch
 
         self.logits = torch.randn(rows, vocabulary)
+        self.end_tokens = torch.tensor([vocabulary - 1])
 
     def decode(self, tokens):
         return self.logits[: tokens.shape[0]]
+
+    def choose(self, logits, rows, seen, barred):
+        from app.model.sampling import choose
+
+        return choose(logits, rows, seen, barred, self.end_tokens)
+
+    def tokens_on_device(self, tokens):
+        import torch
+
+        return torch.tensor(tokens)
 
     def move(self, source: int, target: int) -> None:
         pass
@@ -54,11 +65,10 @@ def main() -> None:
 
     scheduler = Scheduler(max_batch=args.running, max_waiting=0, metrics=EngineMetrics())
     scheduler.runner = FixedLogits(args.running, args.vocabulary)
-    scheduler._end_token_ids = torch.tensor([args.vocabulary - 1])
     scheduler._end_token_set = {args.vocabulary - 1}
     settings = GenerationSettings(max_new_tokens=10**9, min_new_tokens=10**9, do_sample=False)
     for _ in range(args.running):
-        request = Request(prepared=None, settings=settings, version=0, prepare_again=None,
+        request = Request(messages=[], prepared=None, settings=settings, version=0,
                           requested_at=time.perf_counter(), emit=lambda kind, value: None)
         request.last_token = 1
         scheduler._running.append(request)

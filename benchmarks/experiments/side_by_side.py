@@ -59,7 +59,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "wave": args.wave,
                "batch": args.batch, "sms": torch.cuda.get_device_properties(0).multi_processor_count, "runs": []}
 
-    with torch.inference_mode(), runner.on_serving_stream():
+    with runner.serving():
         room = tuning.RESERVED_COLUMNS  # as served: the steps below stay within it (lengths are reset)
         runner.store.reserve(args.batch, room)
         runner.prefill([(prepared.tensors["input_ids"], runner.encode_media(wave[:1])[0], prepared.canvas)], 0, room)

@@ -76,6 +76,20 @@ def _segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return lengths
 
 
+class TransformersVisionTower:
+    """The runner's vision backend through transformers' modules, tuned (see app.model.backends)."""
+
+    def __init__(self, model):
+        self.model = model
+        tune_vision_tower(model)
+
+    def features(self, pixels: torch.Tensor, sizes: torch.Tensor, mode: str) -> list[torch.Tensor]:
+        """Each slice's visual features from slices packed back to back (app.model.vision.fused.FusedVisionTower.features)."""
+        output = self.model.model.get_image_features(pixels[None], sizes, downsample_mode=mode,
+                                                     **slice_layout(self.model, sizes))
+        return list(output.pooler_output)
+
+
 def tune_vision_tower(model) -> None:
     """Route the vision tower's attention here unless a flash-attention kernel was asked for, make its
     patch embeddings contiguous, and merge its slices in one pass.
