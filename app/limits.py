@@ -30,19 +30,24 @@ MAX_IMAGE_PIXELS = 64_000_000
 # 1,300 patches (1,024 for a square).
 MAX_IMAGE_ASPECT_RATIO = 100
 
-# Visual token budget (MiniCPM-V slicing: a 448-px source view plus up to 9 slices of 64 tokens each).
+# Visual token budget (MiniCPM-V slicing: a 448-px source view plus slices of 64 tokens each). 9 slices
+# (640 tokens for a 1344x1344 image) is the processor's default; the model card recommends up to 36 for
+# documents, OCR and large photos, which the UI's "High detail" asks for with a budget to match.
 DEFAULT_MAX_SLICE_NUMS = 9
-MAX_SLICE_NUMS = 9
+MAX_SLICE_NUMS = 36
+HIGH_DETAIL_SLICE_NUMS = 36
+HIGH_DETAIL_VISUAL_TOKEN_BUDGET = 8192  # three images at 36 slices (2,368 tokens each)
 DEFAULT_VISUAL_TOKEN_BUDGET = 2560
 MAX_VISUAL_TOKEN_BUDGET = 16384
 DOWNSAMPLE_MODES = ("16x", "4x")
 
-# Video sampling.
+# Video sampling: the model card's defaults, 1 frame a second, up to 128 frames, one slice a frame.
 DEFAULT_VIDEO_FPS = 1.0
 MAX_VIDEO_FPS = 10.0
-DEFAULT_VIDEO_MAX_FRAMES = 64
+DEFAULT_VIDEO_MAX_FRAMES = 128
 MAX_VIDEO_FRAMES = 128
 DEFAULT_VIDEO_SLICES_PER_FRAME = 1
+MAX_VIDEO_SLICES_PER_FRAME = 9
 MAX_VIDEO_SECONDS = 4 * 3600  # longer videos are sampled just as well; this bounds nonsense headers
 # Frames to sample x pixels per frame (each frame is also held to MAX_IMAGE_PIXELS): the sampled frames'
 # memory, 3 bytes a pixel (3 GiB at this default, which still lets a 3840x2160 video give 128 frames).

@@ -96,7 +96,7 @@ def test_bad_file_then_good_request(client, tmp_path, red_image, name, content, 
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"temperature": -1}, "temperature"), ({"max_slice_nums": 12}, "max_slice_nums"), ({"colour": "red"}, "Unknown setting"),
+    ({"temperature": -1}, "temperature"), ({"max_slice_nums": 37}, "max_slice_nums"), ({"colour": "red"}, "Unknown setting"),
 ])
 def test_bad_settings_are_refused(client, settings, message):
     with pytest.raises(AppError, match=message):

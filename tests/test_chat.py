@@ -57,7 +57,7 @@ def test_settings_overrides_are_checked():
     base = GenerationSettings()
     assert base.with_overrides({"max_new_tokens": "32", "do_sample": "false", "top_p": 0.5}).max_new_tokens == 32
     for bad in ({"max_new_tokens": 0}, {"max_new_tokens": 1.5}, {"temperature": -1}, {"do_sample": "maybe"},
-                {"downsample_mode": "8x"}, {"max_slice_nums": 10}, {"top_p": float("nan")}, {"video_max_frames": float("inf")},
+                {"downsample_mode": "8x"}, {"max_slice_nums": 37}, {"top_p": float("nan")}, {"video_max_frames": float("inf")},
                 {"nonsense": 1}):
         with pytest.raises(UserError):
             base.with_overrides(bad)

@@ -42,7 +42,7 @@ def test_switch_waits_for_replies_in_progress_then_serves_the_new_model(switchab
     switcher.start()
     assert job.result()[1]["new_tokens"] == 300  # the reply in progress was not broken
     switcher.join(120)
-    assert manager.source.name == copy and "my-local-minicpmv" in headers[0]
+    assert manager.source.name == copy and "my-local-minicpmv" in headers[0][0]
     _, (_, stats) = stream(client, "And now?", [red_image], FIXED)
     assert stats["visual_tokens"] == 640
 

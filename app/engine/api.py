@@ -56,3 +56,6 @@ class ModelInfo:
     random_weights: bool
     warmup_s: float | None
     gpu_memory_bytes: int | None
+    # What the chat template does when a request does not say (app.engine.inputs.thinks_by_default); the
+    # UI's switch shows it.
+    thinking_by_default: bool = False

@@ -19,7 +19,7 @@ from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
 from app.model.runner import BatchRunner, canvas_positions
-from app.engine.inputs import PreparedInputs
+from app.engine.inputs import PreparedInputs, thinks_by_default
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
 from app.engine.replies import follow_reply, prepared_summary
@@ -42,6 +42,7 @@ class ModelManager:
         self.config = config
         self.model = None
         self.processor = None
+        self.thinking_by_default = False  # the loaded checkpoint's chat template's (app.engine.inputs.thinks_by_default)
         self.source: ModelSource | None = None
         self.device = None
         self.warmup_s = None
@@ -67,6 +68,7 @@ class ModelManager:
             self.source, self.device, dtype, self.config.attn_implementation, self.config.trust_remote_code,
             self.config.load_in_4bit)
         self._version += 1
+        self.thinking_by_default = thinks_by_default(self.processor)
         # On ZeroGPU the GPU (and the work) stays inside the callers' functions: no processes of ours.
         workers = 0 if self.scheduler.inline else preparer_processes(self.config.prepare_processes, self.device)
         pixel_dtype = self.model.model.vision_tower.dtype
@@ -204,7 +206,7 @@ class ModelManager:
             name=self.source.name, path=self.source.path, model_type=self.model.config.model_type,
             device=str(self.device), dtype=dtype, parameters=parameters,
             weight_bytes=weight_bytes, random_weights=self.source.random_weights, warmup_s=self.warmup_s,
-            gpu_memory_bytes=self.gpu_memory_bytes(),
+            gpu_memory_bytes=self.gpu_memory_bytes(), thinking_by_default=self.thinking_by_default,
         )
 
     def profile_gpu(self, seconds: float) -> dict:
@@ -239,7 +241,6 @@ class ModelManager:
         """The checkpoint's own generation_config as the starting point for every request."""
         self._wait_until_ready()
         generation = self.model.generation_config
-        preset = find_preset(self.source.name)
         return GenerationSettings(
             max_new_tokens=self.config.max_new_tokens,
             do_sample=bool(generation.do_sample),
@@ -248,7 +249,6 @@ class ModelManager:
             top_k=int(generation.top_k or 0),
             repetition_penalty=float(generation.repetition_penalty or 1.0),
             visual_token_budget=self.config.visual_token_budget,
-            enable_thinking=bool(preset and preset.thinking_by_default),
         )
 
     @property

@@ -217,10 +217,38 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     raise UserError(MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
 
 
+def thinks_by_default(processor) -> bool:
+    """Whether the checkpoint's chat template reasons when a request does not say: a question rendered
+    without `enable_thinking` comes out as with it on (and not as with it off)."""
+    question = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+
+    def rendered(**thinking) -> str:
+        return processor.apply_chat_template(question, add_generation_prompt=True, tokenize=False, **thinking)
+
+    unset = rendered()
+    return unset == rendered(enable_thinking=True) != rendered(enable_thinking=False)
+
+
 def _media_fit(messages: list[dict]) -> bool:
     """Whether one request may hold these messages' media: up to MAX_IMAGES_PER_REQUEST images, or one video alone."""
     image_paths, video_paths = _media_paths(messages, "image"), _media_paths(messages, "video")
     return len(image_paths) <= limits.MAX_IMAGES_PER_REQUEST and (not video_paths or (len(video_paths) == 1 and not image_paths))
+
+
+def _video_kwargs(video, settings: GenerationSettings) -> dict:
+    """The processor's arguments for a sampled video, as the model card says to process its frames."""
+    return {
+        "videos": [video.frames],
+        # No <image_id> numbering for video frames (the card). transformers reads the flag only at the call's
+        # top level (or in images_kwargs), not in videos_kwargs; a video request holds no images
+        # (_media_fit), so here it reaches the frames alone.
+        "use_image_id": False,
+        "videos_kwargs": {
+            "max_slice_nums": settings.video_slices_per_frame,
+            "downsample_mode": settings.downsample_mode,
+            "do_sample_frames": False,  # frames were sampled by app.media.video
+        },
+    }
 
 
 def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict) -> PreparedInputs:
@@ -250,16 +278,12 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     if video_paths:
         video = sample_video(video_paths[0], settings.video_fps, settings.video_max_frames)
         notices.extend(video.notices)
-        processor_kwargs["videos"] = [video.frames]
-        processor_kwargs["videos_kwargs"] = {
-            "max_slice_nums": settings.video_slices_per_frame,
-            "downsample_mode": settings.downsample_mode,
-            "do_sample_frames": False,  # frames were sampled by app.media.video
-        }
+        processor_kwargs.update(_video_kwargs(video, settings))
 
     template_messages, texts, mark = with_placeholders(messages)
-    prompt = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False,
-                                           enable_thinking=settings.enable_thinking)
+    # Unset, the flag is not passed: the checkpoint's template decides (a Thinking build may default on).
+    thinking = {} if settings.enable_thinking is None else {"enable_thinking": settings.enable_thinking}
+    prompt = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False, **thinking)
     text_safe = copy.copy(processor)  # the processor's other parts are shared, not copied
     text_safe.tokenizer = TextPartsAsText(processor.tokenizer, texts, mark)
     tensors = dict(text_safe(text=[prompt], return_tensors="pt", **processor_kwargs))

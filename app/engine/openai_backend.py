@@ -138,8 +138,8 @@ class OpenAIEngine:
             payload["repetition_penalty"] = settings.repetition_penalty
         if settings.min_new_tokens:
             payload["min_tokens"] = settings.min_new_tokens
-        if settings.enable_thinking:
-            payload["chat_template_kwargs"] = {"enable_thinking": True}
+        if settings.enable_thinking is not None:  # unset: the server's chat template decides
+            payload["chat_template_kwargs"] = {"enable_thinking": settings.enable_thinking}
         return payload
 
     def stream(self, messages: list[dict], settings: GenerationSettings,

@@ -29,7 +29,7 @@ class GenerationSettings:
     max_slice_nums: int = limits.DEFAULT_MAX_SLICE_NUMS
     downsample_mode: str = "16x"
     visual_token_budget: int = limits.DEFAULT_VISUAL_TOKEN_BUDGET
-    enable_thinking: bool = False
+    enable_thinking: bool | None = None  # None: not passed, the chat template's own default decides
     video_fps: float = limits.DEFAULT_VIDEO_FPS
     video_max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES
     video_slices_per_frame: int = limits.DEFAULT_VIDEO_SLICES_PER_FRAME
@@ -66,7 +66,7 @@ class GenerationSettings:
         _in_range("visual_token_budget", self.visual_token_budget, 64, limits.MAX_VISUAL_TOKEN_BUDGET)
         _in_range("video_fps", self.video_fps, 0.01, limits.MAX_VIDEO_FPS)
         _in_range("video_max_frames", self.video_max_frames, 1, limits.MAX_VIDEO_FRAMES)
-        _in_range("video_slices_per_frame", self.video_slices_per_frame, 1, limits.MAX_SLICE_NUMS)
+        _in_range("video_slices_per_frame", self.video_slices_per_frame, 1, limits.MAX_VIDEO_SLICES_PER_FRAME)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -79,6 +79,8 @@ def parse_flag(key: str, value) -> bool:
 
 def _coerce(key: str, value, kind):
     try:
+        if kind == bool | None:
+            return None if value is None else _coerce(key, value, bool)
         if kind in (bool, "bool"):
             if isinstance(value, bool):
                 return value

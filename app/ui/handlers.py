@@ -318,7 +318,8 @@ class Handlers:
             raise refusal(str(error)) from None
         freed = result["freed_gpu_bytes"] / 2**30
         gr.Info(f"Now serving {model}" + (f" ({freed:.2f} GiB of GPU memory released)" if freed > 0 else "") + ".")
-        return model_header(self.manager.info())
+        info = self.manager.info()
+        return model_header(info), info.thinking_by_default
 
     # API --------------------------------------------------------------------------------------------
 

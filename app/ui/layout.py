@@ -21,7 +21,7 @@ CSS_PATH = os.path.join(ASSETS, "style.css")
 MODEL_EVENTS = "model"  # one concurrency group: every event that generates waits for the same model
 
 
-def _settings_sidebar(defaults) -> dict:
+def _settings_sidebar(defaults, thinking_by_default: bool) -> dict:
     with gr.Sidebar(label="Settings", open=False):
         gr.Markdown("### Decoding")
         components = {
@@ -31,9 +31,13 @@ def _settings_sidebar(defaults) -> dict:
             "top_p": gr.Slider(0.01, 1.0, value=defaults.top_p, step=0.01, label="Top-p"),
             "top_k": gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0: off)"),
             "repetition_penalty": gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.01, label="Repetition penalty"),
-            "enable_thinking": gr.Checkbox(value=defaults.enable_thinking, label="Thinking (reason before answering)"),
+            # The checkpoint's template's own default (ModelInfo.thinking_by_default), until the user says.
+            "enable_thinking": gr.Checkbox(value=thinking_by_default, label="Thinking (reason before answering)"),
         }
         gr.Markdown("### Visual tokens")
+        detail = gr.Radio(["Standard", "High detail"], value="Standard", label="Image detail", elem_id="image-detail",
+                          info=f"High detail: up to {limits.HIGH_DETAIL_SLICE_NUMS} slices per image, for documents, "
+                               f"small text and large photos (more visual tokens: slower).")
         components.update({
             "max_slice_nums": gr.Slider(1, limits.MAX_SLICE_NUMS, value=defaults.max_slice_nums, step=1,
                                         label="Max slices per image",
@@ -44,6 +48,10 @@ def _settings_sidebar(defaults) -> dict:
                                              label="Visual token budget per request",
                                              info="Shared by all images; slices are lowered to fit."),
         })
+    standard = (defaults.max_slice_nums, defaults.visual_token_budget)
+    high = (limits.HIGH_DETAIL_SLICE_NUMS, max(defaults.visual_token_budget, limits.HIGH_DETAIL_VISUAL_TOKEN_BUDGET))
+    detail.change(lambda choice: high if choice == "High detail" else standard, [detail],
+                  [components["max_slice_nums"], components["visual_token_budget"]], api_visibility="private", queue=False)
     return components
 
 
@@ -52,7 +60,7 @@ def _video_controls(defaults) -> dict:
         return {
             "video_fps": gr.Slider(0.1, limits.MAX_VIDEO_FPS, value=defaults.video_fps, step=0.1, label="Frames per second"),
             "video_max_frames": gr.Slider(1, limits.MAX_VIDEO_FRAMES, value=defaults.video_max_frames, step=1, label="Max frames"),
-            "video_slices_per_frame": gr.Slider(1, limits.MAX_SLICE_NUMS, value=defaults.video_slices_per_frame, step=1,
+            "video_slices_per_frame": gr.Slider(1, limits.MAX_VIDEO_SLICES_PER_FRAME, value=defaults.video_slices_per_frame, step=1,
                                                 label="Slices per frame"),
         }
 
@@ -154,7 +162,7 @@ def _header_and_panels(manager, handlers: Handlers, defaults) -> tuple[gr.Markdo
     header = gr.Markdown(model_header(info), elem_id="model-header")
     if info.random_weights:
         gr.Markdown(MSG_RANDOM_WEIGHTS, elem_id="random-weights")
-    sidebar = _settings_sidebar(defaults)
+    sidebar = _settings_sidebar(defaults, info.thinking_by_default)
     with gr.Accordion("Server load", open=False) as load_accordion:
         load = gr.Markdown(handlers.server_load(), elem_id="server-load")
     # Refreshed only while someone has the panel open: hundreds of idle tabs should not poll.
@@ -172,8 +180,9 @@ def _header_and_panels(manager, handlers: Handlers, defaults) -> tuple[gr.Markdo
         # One switch at a time, in a group of its own: a concurrency group's limit is the lowest any of
         # its events asks for (gradio.queueing.Queue.create_event_queue_for_fn), so in MODEL_EVENTS a
         # switch's 1 held every reply after it to one at a time. Replies wait for a switch in the engine.
-        load_model.click(handlers.switch_model, [model_choice], [header], concurrency_id="model-switch",
-                         concurrency_limit=1, api_visibility="private")
+        # The new checkpoint's header, and its template's thinking default on the switch.
+        load_model.click(handlers.switch_model, [model_choice], [header, sidebar["enable_thinking"]],
+                         concurrency_id="model-switch", concurrency_limit=1, api_visibility="private")
     return header, sidebar
 
 

@@ -11,8 +11,7 @@ class Preset:
     label: str
     native: bool  # loads in this app's transformers; False: serve it elsewhere and use --backend openai
     video: bool = True
-    thinking: bool = True  # the chat template takes enable_thinking
-    thinking_by_default: bool = False
+    thinking: bool = True  # the chat template takes enable_thinking (its own default applies: app.engine.inputs)
     note: str = ""
 
 
@@ -27,13 +26,14 @@ FIRST_TRANSFORMERS = {"minicpmv4_6": "5.7.0", "minicpmv4_7": "5.18.0"}
 
 PRESETS = (
     Preset("openbmb/MiniCPM-V-4.6", "MiniCPM-V 4.6 (1.3 B)", native=True),
-    Preset("openbmb/MiniCPM-V-4.6-Thinking", "MiniCPM-V 4.6 Thinking", native=True, thinking_by_default=True),
+    Preset("openbmb/MiniCPM-V-4.6-Thinking", "MiniCPM-V 4.6 Thinking", native=True),
     # OpenBMB's int4 builds: GPTQ and AWQ need requirements-quant.txt, BNB needs bitsandbytes and CUDA.
     Preset("openbmb/MiniCPM-V-4.6-GPTQ", "MiniCPM-V 4.6 int4 (GPTQ)", native=True),
     Preset("openbmb/MiniCPM-V-4.6-AWQ", "MiniCPM-V 4.6 int4 (AWQ)", native=True),
     Preset("openbmb/MiniCPM-V-4.6-BNB", "MiniCPM-V 4.6 4-bit (bitsandbytes, CUDA)", native=True),
-    Preset("openbmb/MiniCPM-V-4.6-Thinking-GPTQ", "MiniCPM-V 4.6 Thinking int4 (GPTQ)", native=True, thinking_by_default=True),
-    Preset("openbmb/MiniCPM-V-4.6-Thinking-AWQ", "MiniCPM-V 4.6 Thinking int4 (AWQ)", native=True, thinking_by_default=True),
+    Preset("openbmb/MiniCPM-V-4.6-Thinking-GPTQ", "MiniCPM-V 4.6 Thinking int4 (GPTQ)", native=True),
+    Preset("openbmb/MiniCPM-V-4.6-Thinking-AWQ", "MiniCPM-V 4.6 Thinking int4 (AWQ)", native=True),
+    Preset("openbmb/MiniCPM-V-4.6-Thinking-BNB", "MiniCPM-V 4.6 Thinking 4-bit (bitsandbytes, CUDA)", native=True),
     Preset("openbmb/MiniCPM-V-2_6", "MiniCPM-V 2.6 (8 B)", native=False, thinking=False,
            note="MiniCPM-V 2.6's Hub code predates transformers 5: serve it with vLLM, SGLang or Ollama "
                 "and start this app with --backend openai (see the README)."),
