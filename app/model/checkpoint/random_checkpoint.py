@@ -3,7 +3,7 @@
 `ensure_tiny_checkpoint` makes the tiny one behind `--model tiny-random` (tests, trying the UI);
 `build_random_checkpoint` takes any config, such as the real 4.6 shape for benchmarks.
 Each has what a real checkpoint has: a byte-level BPE tokenizer carrying the processor's special tokens,
-a Qwen-style chat template with image/video parts and `enable_thinking`, a config of the real
+a chat template that renders what the real 4.6 one does (chat_template.jinja), a config of the real
 architecture (SigLIP-style vision tower with the window merger, Qwen3.5 text with one linear-attention
 and one full-attention layer), image and video processors at their real defaults, and a
 generation_config. It is saved to disk and loaded back through the ordinary `from_pretrained` path.
@@ -12,9 +12,10 @@ generation_config. It is saved to disk and loaded back through the ordinary `fro
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Bump when the checkpoint's contents change, so stale caches are rebuilt rather than reused.
-TINY_RANDOM_VERSION = "v4"
+TINY_RANDOM_VERSION = "v5"
 
 PROCESSOR_TOKENS = {
     "image_token": "<|image_pad|>",
@@ -30,22 +31,8 @@ CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Like Qwen3, the thinking tags are ordinary added tokens, so decoding with skip_special_tokens keeps them.
 THINK_TOKENS = ["<think>", "</think>"]
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{- '<|image_pad|>\\n' -}}"
-    "{%- elif part['type'] == 'video' -%}{{- '<|video_pad|>\\n' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking -%}{{- '<think>\\n' -}}"
-    "{%- else -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-)
+# Written by the builder as the checkpoint's chat_template.jinja.
+CHAT_TEMPLATE_FILE = Path(__file__).with_name("chat_template.jinja")
 
 _TRAINING_TEXT = [
     "The picture shows a red square and a blue circle on a white background.",
@@ -151,7 +138,7 @@ def build_random_checkpoint(folder: str, config: dict, dtype=None, device: str |
         image_processor=MiniCPMV4_6ImageProcessor(patch_size=patch_size),
         video_processor=MiniCPMV4_6VideoProcessor(patch_size=patch_size),
         tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"),
     )
     settings = {key: value for key, value in config.items()
                 if key not in ("text_config", "architectures", "model_type", "transformers_version")}
