@@ -24,6 +24,13 @@ def tiny_model(config: dict, tmp_path):
     return AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+def text_prompt(model, length: int) -> torch.Tensor:
+    """Random token ids of a prompt without media: an image's or video's pad token would ask for features."""
+    ids = torch.randint(0, model.config.text_config.vocab_size, (1, length))
+    ids[torch.isin(ids, torch.tensor([model.config.image_token_id, model.config.video_token_id]))] = 0
+    return ids
+
+
 def state_kinds(store) -> tuple[dict, ...]:
     return store.keys, store.values, store.conv, store.recurrent
 
@@ -48,7 +55,7 @@ def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
     torch.manual_seed(0)
     # Prompts of different lengths in one wave, so slots sit at different columns; nonzero rope deltas
     # as 4.7's images give.
-    prompts = [(torch.randint(0, vocab, (1, length)), None, None) for length in (5, 17, 9)]
+    prompts = [(text_prompt(model, length), None, None) for length in (5, 17, 9)]
     with torch.inference_mode():
         runner.prefill(prompts, 0, 64)
         store.rope_deltas[:3] = torch.tensor([0, 7, -3])
@@ -74,10 +81,9 @@ def test_fused_prefill_gives_transformers_logits_and_state(config, tmp_path):
     model = tiny_model(config, tmp_path)
     runner = BatchRunner(model)
     store = runner.store
-    vocab = model.config.text_config.vocab_size
     torch.manual_seed(1)
     # Prompts packed back to back, one shorter than the convolution's window; visual features in one.
-    prompts = [(torch.randint(0, vocab, (1, length)), None, None) for length in (5, 70, 2, 9)]
+    prompts = [(text_prompt(model, length), None, None) for length in (5, 70, 2, 9)]
     features = torch.randn(3, model.config.text_config.hidden_size)
     prompts[1][0][0, 10:13] = model.config.image_token_id
     prompts[1] = (prompts[1][0], features, None)

@@ -2,8 +2,8 @@
 
 `ensure_tiny_checkpoint` makes the tiny one behind `--model tiny-random` (tests, trying the UI);
 `build_random_checkpoint` takes any config, such as the real 4.6 shape for benchmarks.
-Each has what a real checkpoint has: a byte-level BPE tokenizer carrying the processor's special tokens,
-a Qwen-style chat template with image/video parts and `enable_thinking`, a config of the real
+Each has what a real checkpoint has: a byte-level BPE tokenizer with the real tokenizer's added tokens
+and roles, a chat template that renders what the real 4.6 one does (chat_template.jinja), a config of the real
 architecture (SigLIP-style vision tower with the window merger, Qwen3.5 text with one linear-attention
 and one full-attention layer), image and video processors at their real defaults, and a
 generation_config. It is saved to disk and loaded back through the ordinary `from_pretrained` path.
@@ -12,9 +12,10 @@ generation_config. It is saved to disk and loaded back through the ordinary `fro
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Bump when the checkpoint's contents change, so stale caches are rebuilt rather than reused.
-TINY_RANDOM_VERSION = "v4"
+TINY_RANDOM_VERSION = "v5"
 
 PROCESSOR_TOKENS = {
     "image_token": "<|image_pad|>",
@@ -26,26 +27,23 @@ PROCESSOR_TOKENS = {
     "image_id_start_token": "<image_id>",
     "image_id_end_token": "</image_id>",
 }
-CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Like Qwen3, the thinking tags are ordinary added tokens, so decoding with skip_special_tokens keeps them.
-THINK_TOKENS = ["<think>", "</think>"]
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{- '<|image_pad|>\\n' -}}"
-    "{%- elif part['type'] == 'video' -%}{{- '<|video_pad|>\\n' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking -%}{{- '<think>\\n' -}}"
-    "{%- else -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-)
+# The real tokenizer's added tokens, in its order (ids 248044-248093 there, here just above the small
+# vocabulary). As in Qwen3's, the tool and thinking tags and the fill-in-the-middle ones are not special:
+# decoding with skip_special_tokens keeps them.
+ADDED_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
+    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
+    "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>",
+    "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>", "<unk>", "<image>",
+    "</image>", "<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>", "<point>", "</point>", "<slice>",
+    "</slice>", "<image_id>", "</image_id>", "<timestamp>", "</timestamp>",
+]
+NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+# Written by the builder as the checkpoint's chat_template.jinja.
+CHAT_TEMPLATE_FILE = Path(__file__).with_name("chat_template.jinja")
 
 _TRAINING_TEXT = [
     "The picture shows a red square and a blue circle on a white background.",
@@ -59,26 +57,24 @@ _TRAINING_TEXT = [
 
 
 def _build_tokenizer(vocab_size: int | None = None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1000,
-        special_tokens=CONTROL_TOKENS + list(PROCESSOR_TOKENS.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(_TRAINING_TEXT * 4, trainer)
-    bpe.add_tokens(THINK_TOKENS)
+    bpe.add_tokens([AddedToken(token, normalized=False, special=token not in NOT_SPECIAL) for token in ADDED_TOKENS])
     if vocab_size is not None and vocab_size > bpe.get_vocab_size():
         # Fill a large model's vocabulary, so that every id it can generate decodes to something.
         bpe.add_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - bpe.get_vocab_size())])
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
+        bos_token="<|im_start|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        unk_token="<unk>",
         extra_special_tokens=PROCESSOR_TOKENS,
     )
 
@@ -151,7 +147,7 @@ def build_random_checkpoint(folder: str, config: dict, dtype=None, device: str |
         image_processor=MiniCPMV4_6ImageProcessor(patch_size=patch_size),
         video_processor=MiniCPMV4_6VideoProcessor(patch_size=patch_size),
         tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"),
     )
     settings = {key: value for key, value in config.items()
                 if key not in ("text_config", "architectures", "model_type", "transformers_version")}
