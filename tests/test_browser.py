@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.conftest import ARTIFACTS, truncated_png, wait_for
+from tests.conftest import ARTIFACTS, make_image, truncated_png, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 STATS_LINE = re.compile(r"\d[\d,]* visual tokens · first token")
@@ -229,4 +229,28 @@ def test_server_load_panel_follows_the_engine(browser, server_url, manager):
     expected = f"{manager.metrics.requests['finished']:,} answered"
     assert wait_for(lambda: expected in panel.inner_text(), 10), panel.inner_text()
     assert re.search(r"\d+ answering now · \d+ waiting · [\d,]+ tokens/s", panel.inner_text())
+    page.close()
+
+
+def test_high_detail_raises_the_slices_and_the_budget_together(browser, server_url, manager, tmp_path):
+    """The sidebar's Image detail choice: High detail sets 36 slices and an 8,192-token budget, and a
+    large image's reply then counts what 36 slices cost."""
+    from app import limits
+
+    page = open_page(browser, server_url)
+    set_max_new_tokens(page, 4)
+    slices = page.get_by_label("number input for Max slices per image")
+    budget = page.get_by_label("number input for Visual token budget per request")
+    assert (slices.input_value(), budget.input_value()) == ("9", str(manager.default_settings().visual_token_budget))
+    page.get_by_text("High detail", exact=True).click()
+    assert wait_for(lambda: slices.input_value() == str(limits.HIGH_DETAIL_SLICE_NUMS), 10)
+    assert budget.input_value() == str(limits.HIGH_DETAIL_VISUAL_TOKEN_BUDGET)
+    page.locator("#chat-input input[type=file]").set_input_files(make_image(tmp_path, "page.png", (4000, 3000)))
+    page.locator("#chat-input textarea").fill("Read the page.")
+    page.locator("#chat-input textarea").press("Enter")
+    page.get_by_text(STATS_LINE).wait_for(timeout=60_000)
+    visual = int(re.search(r"([\d,]+) visual tokens", chat_text(page)).group(1).replace(",", ""))
+    assert visual > 9 * 64 + 64  # more slices than the standard 9 allow
+    page.get_by_text("Standard", exact=True).click()
+    assert wait_for(lambda: slices.input_value() == "9", 10)
     page.close()
