@@ -4,7 +4,8 @@ GPTQ (and AWQ) checkpoints load through GPT-QModel + optimum (requirements-quant
 exports say how weights were quantized but not which linear layers were: it leaves small ones, such as
 the DeltaNet gates `in_proj_a` / `in_proj_b`, in 16 bits. Told nothing, transformers converts every
 linear layer (of each block for GPTQ, everywhere for AWQ) and fails on those. The quantized layers are
-the ones whose weights come as `qweight`, so they are read from the checkpoint's tensor names.
+the ones whose weights come as `qweight`, so they are read from the checkpoint's tensor names. An AWQ
+checkpoint's own `modules_to_not_convert` (OpenBMB's is not known) is completed with its 16-bit layers.
 
 A 16-bit checkpoint can also be quantized while it loads (--load-in-4bit, bitsandbytes NF4 on CUDA).
 """
@@ -50,8 +51,11 @@ def complete_quantization_config(path: str, config) -> None:
             modules = {match.group(2) for match in matches}
             config.quantization_config = {**settings, "block_name_to_quantize": blocks.pop(),
                                           "modules_in_block_to_quantize": [sorted(modules)]}
-    elif method == "awq" and not settings.get("modules_to_not_convert"):
-        config.quantization_config = {**settings, "modules_to_not_convert": sorted(plain)}
+    elif method == "awq":
+        # Whatever the checkpoint lists (an AutoAWQ export may name the vision side only, as substrings
+        # transformers does not match), its 16-bit layers must stay unconverted too.
+        listed = settings.get("modules_to_not_convert") or []
+        config.quantization_config = {**settings, "modules_to_not_convert": sorted(plain.union(listed))}
 
 
 def _weight_modules(path: str) -> tuple[set[str], set[str]]:
