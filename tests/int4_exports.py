@@ -1,5 +1,5 @@
 """Tiny checkpoints laid out as OpenBMB's own 4-bit builds of MiniCPM-V 4.6 are (their published recipes:
-an AutoGPTQ fork, an AutoAWQ fork), made offline from an unquantized checkpoint.
+an AutoGPTQ fork, an AutoAWQ fork, bitsandbytes NF4), made offline from an unquantized checkpoint.
 
 The GPTQ and AWQ weights are quantized here by round to nearest, group by group, and packed the way
 those tools store them; calibration would change the values, not the layout the loader reads:
@@ -10,6 +10,8 @@ those tools store them; calibration would change the values, not the layout the 
   outputs in the order 0, 2, 4, 6, 1, 3, 5, 7; `scales` fp16 [groups, out].
 Both tools load a model in float16 to quantize it, so every other tensor is saved in float16.
 
+The bitsandbytes build's tensors are bitsandbytes' own serialization, which needs its CUDA kernels: on
+the CPU only its config is written (`bnb_config_export`); the GPU test has bitsandbytes quantize.
 """
 
 import json
@@ -108,6 +110,26 @@ def autoawq_export(source: str, out: str, modules_to_not_convert: list[str] | No
     return _export(source, out, awq_tensors, {
         "quant_method": "awq", "version": "gemm", "zero_point": True, "bits": 4, "group_size": GROUP,
         "modules_to_not_convert": modules_to_not_convert})
+
+
+# What transformers writes for OpenBMB's bitsandbytes recipe (BitsAndBytesConfig.to_dict, transformers 5.23).
+BNB_RECIPE = {
+    "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "_load_in_4bit": True,
+    "_load_in_8bit": False, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+    "bnb_4bit_compute_dtype": "float16", "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": ["lm_head"],
+    "llm_int8_threshold": 6.0, "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False,
+}
+
+
+def bnb_config_export(source: str, out: str) -> str:
+    """`source` with the bitsandbytes recipe's config (its own tensors: nothing on the CPU reads them)."""
+    shutil.copytree(source, out)
+    with open(os.path.join(out, "config.json")) as file:
+        config = json.load(file)
+    config["quantization_config"] = BNB_RECIPE
+    with open(os.path.join(out, "config.json"), "w") as file:
+        json.dump(config, file, indent=2)
+    return out
 
 
 def check(source: str, exports: list[str]) -> None:

@@ -100,14 +100,14 @@ def test_int4_checkpoint_loads_and_streams_an_answer(int4_app, method, red_image
     assert f"{method} 4-bit weights" in header(int4_app)  # the header says what is loaded
 
 
-def test_a_missing_quantization_package_is_named():
+def test_a_missing_quantization_package_is_named(monkeypatch):
     class Config:
-        quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+        quantization_config = {"quant_method": "gptq", "bits": 4}
 
-    if importlib.util.find_spec("bitsandbytes"):
-        pytest.skip("bitsandbytes is installed here")
-    with pytest.raises(UserError, match="bitsandbytes.*requirements-quant.txt"):
-        complete_quantization_config("/nonexistent", Config())
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "optimum" else find_spec(name))
+    with pytest.raises(UserError, match="\\(gptq\\) and needs optimum: .*requirements-quant.txt"):
+        complete_quantization_config("/nonexistent", Config(), "cpu", None)
 
 
 def test_load_in_4bit_says_what_it_needs(tmp_path):
