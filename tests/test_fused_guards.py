@@ -1,7 +1,7 @@
-"""The fused text model is chosen only for models that compute what it assumes: each field or module it
-assumes rather than reads, changed alone, sends the model through transformers' layers, with the
-reason logged; the real 4.6 shape and the tiny 4.6 and 4.7 models take the fused path. (What it reads,
-varied, gives transformers' results: tests/test_fused_text.py, VARIED_CONFIG.)
+"""The fused text model and vision tower are chosen only for models that compute what they assume: each
+field or module they assume rather than read, changed alone, sends the model through transformers'
+layers, with the reason logged; the real 4.6 shape and the tiny 4.6 and 4.7 models take the fused path.
+(What they read, varied, gives transformers' results: tests/test_fused_text.py, VARIED_CONFIG.)
 
 Models are built on the meta device: the checks read configs and modules, never weights."""
 
@@ -15,6 +15,7 @@ import transformers
 
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7
 from app.model.text.fused import FusedTextModel, fused_text_model_for
+from app.model.vision.fused import FusedVisionTower, fused_vision_tower_for
 from tests.conftest import ROOT
 
 with open(os.path.join(ROOT, "benchmarks", "minicpm-v-4.6.config.json")) as _file:
@@ -37,6 +38,7 @@ def meta_model(config: dict, text: dict | None = None, vision: dict | None = Non
 def test_the_models_served_take_the_fused_paths(config):
     model = meta_model(config)
     assert isinstance(fused_text_model_for(model, None), FusedTextModel)
+    assert isinstance(fused_vision_tower_for(model), FusedVisionTower)
 
 
 def refused_for(caplog, reason: str) -> bool:
@@ -99,4 +101,41 @@ def test_text_modules_the_fused_model_does_not_compute_are_refused(change, reaso
     with torch.device("meta"):
         change(model.model.language_model)
     assert fused_text_model_for(model, None) is None
+    assert refused_for(caplog, reason)
+
+
+def _no_layer_norm_bias(tower):
+    tower.encoder.layers[0].layer_norm2.bias = None
+
+
+def _rms_norm(tower):
+    tower.post_layernorm = torch.nn.RMSNorm(tower.config.hidden_size)
+
+
+def _overlapping_patches(tower):
+    tower.embeddings.patch_embedding = torch.nn.Conv2d(3, tower.config.hidden_size, 14, stride=7)
+
+
+def _no_window_merger(tower):
+    tower.vit_merger = None
+
+
+VISION_CHANGES = {"hidden_act": ({"hidden_act": "gelu"}, "hidden_act gelu"),
+                  "window not square": ({"window_kernel_size": [2, 1]}, "window kernel (2, 1)"),
+                  "layer norm without bias": (_no_layer_norm_bias, "a norm other than a layer norm"),
+                  "RMS norm": (_rms_norm, "a norm other than a layer norm"),
+                  "overlapping patches": (_overlapping_patches, "a patch embedding other than"),
+                  "no window merger": (_no_window_merger, "no window merger")}
+
+
+@pytest.mark.parametrize("change, reason", VISION_CHANGES.values(), ids=VISION_CHANGES.keys())
+def test_a_vision_tower_the_fused_one_does_not_compute_is_refused(change, reason, caplog):
+    caplog.set_level(logging.INFO, logger="app.model")
+    if isinstance(change, dict):
+        model = meta_model(TINY_CONFIG, vision=change)
+    else:
+        model = meta_model(TINY_CONFIG)
+        with torch.device("meta"):
+            change(model.model.vision_tower)
+    assert fused_vision_tower_for(model) is None
     assert refused_for(caplog, reason)
