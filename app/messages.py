@@ -62,6 +62,8 @@ MSG_TRANSFORMERS_TOO_OLD = (
 MSG_QUANT_PACKAGES_MISSING = (
     "This checkpoint is quantized ({method}) and needs {packages}: pip install --no-deps -r requirements-quant.txt"
 )
+MSG_BNB_NEEDS_CUDA = "This checkpoint is quantized (bitsandbytes) and needs a CUDA GPU: bitsandbytes' 4-bit kernels run there."
+MSG_BNB_NEEDS_BITSANDBYTES = "This checkpoint is quantized (bitsandbytes) and needs bitsandbytes: pip install bitsandbytes"
 MSG_4BIT_NEEDS_CUDA = "--load-in-4bit needs a CUDA GPU: bitsandbytes' 4-bit kernels run there."
 MSG_4BIT_NEEDS_BITSANDBYTES = "--load-in-4bit needs bitsandbytes: pip install bitsandbytes"
 MSG_4BIT_ALREADY_QUANTIZED = "{model} is already quantized ({method}): load it without --load-in-4bit."

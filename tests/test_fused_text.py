@@ -15,6 +15,13 @@ from app.model.text.layers import TransformersText
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What the fused model reads from the config rather than assumes, changed: head counts and sizes, the
+# rotary share and base, eps, an untied output layer.
+VARIED_CONFIG = {**TINY_CONFIG, "tie_word_embeddings": False, "text_config": {
+    **TINY_CONFIG["text_config"], "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "linear_num_value_heads": 4, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000, "partial_rotary_factor": 0.5}}}
+CONFIGS = {"4.6": TINY_CONFIG, "4.7": TINY_CONFIG_4_7, "4.6 varied": VARIED_CONFIG}
 
 
 def tiny_model(config: dict, tmp_path):
@@ -45,7 +52,7 @@ def restore(store, saved: list[dict]) -> None:
             tensor.copy_(copies[layer])
 
 
-@pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
     model = tiny_model(config, tmp_path)
     runner = BatchRunner(model)
@@ -76,7 +83,7 @@ def test_fused_step_gives_transformers_logits_and_state(config, tmp_path):
             positions += 1
 
 
-@pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_fused_prefill_gives_transformers_logits_and_state(config, tmp_path):
     model = tiny_model(config, tmp_path)
     runner = BatchRunner(model)

@@ -1,5 +1,6 @@
 """int4: GPTQ and AWQ checkpoints made here with GPT-QModel load through the app's normal path and stream."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -33,29 +34,52 @@ def int4_checkpoint(method, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def int4_app(int4_checkpoint, tmp_path_factory):
-    """`python app.py --model <the int4 folder>`, as a user starts it."""
+@contextlib.contextmanager
+def serving(folder: str, log_path):
+    """`python app.py --model <folder>`, as a user starts it: its URL once it answers."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("gptq-app") / "app.log"
     env = {**os.environ, "GRADIO_SERVER_PORT": str(port)}
     env.pop("GRADIO_TEMP_DIR", None)
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "app.py", "--model", int4_checkpoint], cwd=ROOT, stdout=log,
+        process = subprocess.Popen([sys.executable, "app.py", "--model", folder], cwd=ROOT, stdout=log,
                                    stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-        try:
-            urllib.request.urlopen(url + "gradio_api/info", timeout=5)
-            break
-        except (urllib.error.URLError, OSError):
-            time.sleep(1)
-    yield url, log_path
-    process.terminate()
-    process.wait(30)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url + "gradio_api/info", timeout=5)
+                break
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def ask(url: str, image: str) -> dict:
+    """A greedy 24-token answer about `image`, streamed; returns its stats."""
+    job = Client(url, verbose=False).submit("What is in this picture?", [handle_file(image)],
+                                            {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False},
+                                            api_name="/ask")
+    updates = list(job)
+    reply, stats = job.result()
+    assert len(updates) >= 2 and reply
+    assert stats["new_tokens"] == 24 and stats["visual_tokens"] == 640
+    return stats
+
+
+def header(url: str) -> str:
+    return urllib.request.urlopen(url + "config", timeout=10).read().decode()
+
+
+@pytest.fixture(scope="module")
+def int4_app(int4_checkpoint, tmp_path_factory):
+    with serving(int4_checkpoint, tmp_path_factory.mktemp("int4-app") / "app.log") as url:
+        yield url
 
 
 def test_the_checkpoint_is_int4_with_16_bit_gates(int4_checkpoint, method):
@@ -72,26 +96,18 @@ def test_the_checkpoint_is_int4_with_16_bit_gates(int4_checkpoint, method):
 
 
 def test_int4_checkpoint_loads_and_streams_an_answer(int4_app, method, red_image):
-    url, log_path = int4_app
-    job = Client(url, verbose=False).submit("What is in this picture?", [handle_file(red_image)],
-                                            {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False},
-                                            api_name="/ask")
-    updates = list(job)
-    reply, stats = job.result()
-    assert len(updates) >= 2 and reply
-    assert stats["new_tokens"] == 24 and stats["visual_tokens"] == 640
-    page = urllib.request.urlopen(url + "config", timeout=10).read().decode()
-    assert f"{method} 4-bit weights" in page  # the header says what is loaded
+    ask(int4_app, red_image)
+    assert f"{method} 4-bit weights" in header(int4_app)  # the header says what is loaded
 
 
-def test_a_missing_quantization_package_is_named():
+def test_a_missing_quantization_package_is_named(monkeypatch):
     class Config:
-        quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+        quantization_config = {"quant_method": "gptq", "bits": 4}
 
-    if importlib.util.find_spec("bitsandbytes"):
-        pytest.skip("bitsandbytes is installed here")
-    with pytest.raises(UserError, match="bitsandbytes.*requirements-quant.txt"):
-        complete_quantization_config("/nonexistent", Config())
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "optimum" else find_spec(name))
+    with pytest.raises(UserError, match="\\(gptq\\) and needs optimum: .*requirements-quant.txt"):
+        complete_quantization_config("/nonexistent", Config(), "cpu", None)
 
 
 def test_load_in_4bit_says_what_it_needs(tmp_path):

@@ -117,7 +117,7 @@ def load_model_and_processor(source: ModelSource, device: str, dtype, attn_imple
         raise _not_served(config.model_type)
     quantization = None
     try:
-        complete_quantization_config(source.path, config)
+        complete_quantization_config(source.path, config, device, dtype)
         if load_in_4bit:
             quantization = load_in_4bit_config(source.name, config, device, dtype)
     except UserError as error:

@@ -15,18 +15,23 @@ layers run flash-linear-attention's chunked kernels over the packed sequences (c
 runs per prompt. Each prompt's result is then what it would be alone (transformers' padded wave is
 not, by a little), and a 32-prompt wave's text half takes half the time.
 
-Used for any checkpoint whose text model is this architecture with plain linear layers; others
-(quantized ones) and MiniCPM-V 4.7's prompts with images (their M-RoPE positions are three channels
-apart) go through transformers' layers.
+Used for any checkpoint whose text model is this architecture with plain linear layers, as far as its
+config and modules show (fused_text_model_for checks what the code here assumes rather than reads);
+others (quantized ones) and MiniCPM-V 4.7's prompts with images (their M-RoPE positions are three
+channels apart) go through transformers' layers.
 """
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 from app.model.text import ops as text_ops
+
+log = logging.getLogger(__name__)
 
 
 _DELTANET_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -34,26 +39,77 @@ _ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def fused_text_model_for(model, store):
-    """A FusedTextModel for `model`'s text model reading `store`, or None where it does not apply."""
+    """A FusedTextModel for `model`'s text model reading `store`, or None where it does not apply (the
+    reason is logged)."""
     text = model.model.language_model
-    config = text.config
-    if config.model_type != "qwen3_5_text" or config.hidden_act != "silu":
+    reason = _config_mismatch(text.config) or _modules_mismatch(text, model.lm_head)
+    if reason:
+        log.info("The text model runs through transformers' layers, not the fused one: %s", reason)
         return None
-    if config.rope_parameters.get("rope_type", "default") != "default":
-        return None
-    linears = [model.lm_head]
+    return FusedTextModel(model, store)
+
+
+def _config_mismatch(config) -> str | None:
+    """What of the text config the fused model would not compute as transformers' layers do. It reads the
+    rest: sizes, heads and head dims, the rotary dimensions (partial_rotary_factor), base and scaling,
+    eps, and the output layer, tied or not."""
+    if config.model_type != "qwen3_5_text":
+        return f"model type {config.model_type}"
+    if config.hidden_act != "silu":  # the MLP's and the DeltaNet convolution's activation
+        return f"hidden_act {config.hidden_act}"
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type != "default":
+        return f"rope type {rope_type}"
+    # transformers' Qwen3.5 layers do not read it (they always gate): a config saying otherwise is not this model.
+    if not getattr(config, "attn_output_gate", True):
+        return "attn_output_gate false"
+    if config.attention_bias:
+        return "attention biases"
+    return None
+
+
+def _modules_mismatch(text, lm_head) -> str | None:
+    """What of the text model's modules the fused model would not compute as they do."""
+    linears, norms = [lm_head], [text.norm]
     for layer in text.layers:
         mixer, names = (layer.linear_attn, _DELTANET_LINEARS) if hasattr(layer, "linear_attn") \
             else (layer.self_attn, _ATTENTION_LINEARS)
         linears += [getattr(mixer, name, None) for name in names]
         linears += [getattr(layer.mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [layer.self_attn.q_norm, layer.self_attn.k_norm] if hasattr(layer, "self_attn") else []
     # Quantized layers (GPTQ, AWQ, bitsandbytes) hold no plain weight to concatenate.
     if any(type(module) is not torch.nn.Linear or module.bias is not None for module in linears):
-        return None
-    if any(layer.self_attn.head_dim & (layer.self_attn.head_dim - 1)
-           for layer in text.layers if hasattr(layer, "self_attn")):
-        return None  # the attention kernel works on power-of-two heads
-    return FusedTextModel(model, store)
+        return "linear layers other than plain nn.Linear without bias (a quantized checkpoint)"
+    # The fused norms scale by 1 + w, at one eps for all: FusedTextModel's for the layers', q_norm's for k_norm.
+    if any(type(norm) is not Qwen3_5RMSNorm or norm.eps != text.config.rms_norm_eps for norm in norms):
+        return "a norm other than Qwen3.5's zero-centred RMSNorm (1 + w) at rms_norm_eps"
+    for layer in text.layers:
+        reason = _deltanet_mismatch(layer.linear_attn) if hasattr(layer, "linear_attn") \
+            else _attention_mismatch(layer.self_attn, text.rotary_emb)
+        if reason:
+            return reason
+    return None
+
+
+def _deltanet_mismatch(attention) -> str | None:
+    norm = attention.norm  # text_ops.gated_rms_norm: x / rms(x) * w * SiLU(gate), at the norm's own eps
+    if type(norm) is not Qwen3_5RMSNormGated or norm.activation != "silu":
+        return "a DeltaNet output norm other than Qwen3.5's SiLU-gated RMSNorm"
+    if attention.conv1d.bias is not None:
+        return "a DeltaNet convolution with a bias"
+    return None
+
+
+def _attention_mismatch(attention, rotary_embedding) -> str | None:
+    heads, head_dim = attention.config.num_attention_heads, attention.head_dim
+    if head_dim & (head_dim - 1):
+        return f"head_dim {head_dim}: the attention kernels work on power-of-two heads"
+    if attention.q_proj.out_features != 2 * heads * head_dim:  # text_ops.attention_inputs' layout
+        return "a q_proj other than a query and its output gate per head"
+    if 2 * rotary_embedding.inv_freq.shape[0] > head_dim:
+        return "rotary dimensions wider than a head"
+    return None
 
 
 @torch.no_grad()

@@ -16,9 +16,11 @@ wave's GPU time on an H200 (docs/DECISIONS.md D22), and for one image a chain of
   a cache per slice size and sent to the GPU in one copy, which does not wait for the GPU.
 
 Used for any checkpoint whose tower has plain linear layers (a quantized tower keeps transformers'
-modules); `MINICPMV_FUSED_VISION_TOWER=0` asks for transformers' modules.
+modules) and is otherwise what the code here assumes (fused_vision_tower_for checks);
+`MINICPMV_FUSED_VISION_TOWER=0` asks for transformers' modules.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,23 +32,47 @@ from app.model.text.fused import in_one_copy, merge_parameters
 from app.model.vision.tower import (equal_runs, slice_merge_order, slice_position_ids, slice_starts,
                                      slice_window_order)
 
+log = logging.getLogger(__name__)
+
 
 def fused_vision_tower_for(model):
-    """A FusedVisionTower for `model`, or None where it does not apply."""
-    tower = model.model.vision_tower
-    if tower.config.hidden_act != "gelu_pytorch_tanh" or getattr(tower, "vit_merger", None) is None:
+    """A FusedVisionTower for `model`, or None where it does not apply (the reason is logged)."""
+    reason = _tower_mismatch(model.model.vision_tower)
+    if reason:
+        log.info("The vision tower runs through transformers' modules, not the fused one: %s", reason)
         return None
+    return FusedVisionTower(model)
+
+
+def _tower_mismatch(tower) -> str | None:
+    """What of the tower the fused one would not compute as transformers' modules do. It reads the rest:
+    sizes, heads, eps, the patch size, where the window merger goes, the final merger's kernel and rounds."""
+    if tower.config.hidden_act != "gelu_pytorch_tanh":  # the encoder MLPs' (the window merger's is fixed)
+        return f"hidden_act {tower.config.hidden_act}"
+    if getattr(tower, "vit_merger", None) is None:
+        return "no window merger"
+    window = tuple(tower.vit_merger.window_kernel_size)
+    if window[0] != window[1]:  # slice_window_order's windows are square
+        return f"window kernel {window}"
     linears = [tower.vit_merger.linear_1, tower.vit_merger.linear_2]
+    norms = [tower.post_layernorm, tower.vit_merger.layer_norm1, tower.vit_merger.pre_norm]
     for layer in [*tower.encoder.layers, tower.vit_merger]:
         attention = layer.self_attn
         linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.out_proj]
-    linears += [linear for layer in tower.encoder.layers for linear in (layer.mlp.fc1, layer.mlp.fc2)]
+    for layer in tower.encoder.layers:
+        linears += [layer.mlp.fc1, layer.mlp.fc2]
+        norms += [layer.layer_norm1, layer.layer_norm2]
     if any(type(module) is not torch.nn.Linear or module.bias is None for module in linears):
-        return None
-    patch = tower.embeddings.patch_embedding
-    if type(patch) is not torch.nn.Conv2d or patch.bias is None:
-        return None
-    return FusedVisionTower(model)
+        return "linear layers other than plain nn.Linear with a bias (a quantized checkpoint)"
+    # On CUDA vision_ops.add_layer_norm's kernel takes a norm without a bias for an RMS norm.
+    if any(type(norm) is not torch.nn.LayerNorm or norm.weight is None or norm.bias is None for norm in norms):
+        return "a norm other than a layer norm with weight and bias"
+    patch, size = tower.embeddings.patch_embedding, tower.embeddings.patch_size
+    # The patch convolution as one matrix product over patches cut by a view.
+    if type(patch) is not torch.nn.Conv2d or patch.bias is None or patch.kernel_size != (size, size) \
+            or patch.stride != (size, size) or patch.padding not in ("valid", (0, 0)):
+        return "a patch embedding other than a convolution of patch_size with stride patch_size and a bias"
+    return None
 
 
 def _norm(norm) -> tuple:
