@@ -118,12 +118,20 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, but not a flag's: a flag is off until given, and for one that
+    sets its field false (--no-warmup) argparse would print "(default: True)"."""
+
+    def _get_help_string(self, action):
+        return action.help if action.nargs == 0 else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = AppConfig()
     parser = argparse.ArgumentParser(
         prog="python app.py",
         description="MiniCPM-V web demo: chat about images, several images or a video, with streamed replies.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpWithDefaults,
     )
     for flag, field, env, kind, help_text in _OPTIONS:
         default = kind(os.environ.get(env, getattr(defaults, field)))
@@ -143,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "16-bit checkpoint: CUDA only, needs `pip install bitsandbytes`. [env MINICPMV_LOAD_IN_4BIT]")
     parser.add_argument("--in-process-engine", dest="engine_process", action="store_false",
                         default=not _env_flag("MINICPMV_IN_PROCESS_ENGINE"),
-                        help="Run the model in the web server's process instead of a process of its own (the "
-                             "default, faster under load: the two do not share Python's GIL). "
+                        help="Run the model in the web server's process. Without it the model runs in a process "
+                             "of its own, faster under load: the two do not share Python's GIL. "
                              "[env MINICPMV_IN_PROCESS_ENGINE]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
                         help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")

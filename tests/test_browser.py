@@ -254,3 +254,34 @@ def test_high_detail_raises_the_slices_and_the_budget_together(browser, server_u
     page.get_by_text("Standard", exact=True).click()
     assert wait_for(lambda: slices.input_value() == "9", 10)
     page.close()
+
+
+def test_the_multi_image_highlight_follows_the_image_it_moves(browser, server_url, tmp_path):
+    """Select the 3rd image, move it earlier twice: the highlight and the preview follow it to the front,
+    and Remove then removes it, not the image that took its old slot."""
+    page = open_page(browser, server_url)
+    names = [f"colour{i}.png" for i in range(3)]
+    paths = [make_image(tmp_path, name, (300, 200), colour)
+             for name, colour in zip(names, [(200, 30, 30), (30, 200, 30), (30, 30, 200)])]
+    page.get_by_role("tab", name="Multi-image").click()
+    page.locator("input[type=file]").nth(1).set_input_files(paths)
+    # The grid's thumbnails (under the preview too), and the preview's strip, whose highlight is the selection.
+    grid = page.locator(".thumbnail-item.thumbnail-lg img")
+
+    def shown() -> list[str]:
+        return [src.rsplit("/", 1)[-1] for src in grid.evaluate_all("images => images.map(image => image.src)")]
+
+    def highlighted() -> list[str]:
+        return [src.rsplit("/", 1)[-1] for src in page.locator(".thumbnail-item.thumbnail-small.selected img").evaluate_all(
+            "images => images.map(image => image.src)")]
+
+    assert wait_for(lambda: shown() == names, 20), shown()
+    grid.nth(2).click()
+    assert wait_for(lambda: highlighted() == [names[2]], 20), highlighted()
+    for _ in range(2):
+        page.get_by_role("button", name="◀ Move earlier").click()
+    assert wait_for(lambda: shown() == [names[2], names[0], names[1]], 20), shown()
+    assert wait_for(lambda: highlighted() == [names[2]], 10), highlighted()
+    page.get_by_role("button", name="✕ Remove").click()
+    assert wait_for(lambda: shown() == names[:2], 20), shown()
+    page.close()

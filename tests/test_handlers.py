@@ -213,3 +213,22 @@ def test_the_stats_say_when_preprocessing_waited_for_a_free_preparer():
     idle = {**waiting, "to_preparer": 0.5, "for_a_worker": 0.1}
     for quiet in ({**stats, "preparation_ms": idle}, stats):  # no wait worth saying; an external server's stats
         assert "Preprocessing 700 ms, waiting for the model 100 ms" in stats_message(quiet, [])["content"]
+
+
+def test_an_empty_question_is_told_what_its_tab_takes(handlers):
+    """The Chat tab takes images (videos go to the Video tab); Multi-image and Video hold their media already."""
+    with pytest.raises(gr.Error) as refused:
+        handlers.add_chat_message({"text": "  ", "files": []}, None, [])
+    assert refused.value.message == "Type a question or attach an image first."
+    with pytest.raises(gr.Error) as refused:
+        handlers.add_multi_image_question(" ", ["/nowhere/a.png"], [])
+    assert refused.value.message == "Type a question first."
+
+
+def test_help_shows_no_default_for_flags():
+    """`--no-warmup` and `--in-process-engine` are off until given (argparse read their fields' True)."""
+    from app.config import build_parser
+
+    text = build_parser().format_help()
+    assert "(default: True)" not in text and "(default: False)" not in text
+    assert "(default: 1)" in text  # options with a value still show theirs

@@ -28,7 +28,8 @@ def http_status(url: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def protected_url(tmp_path_factory):
+def protected_app(tmp_path_factory):
+    """`python app.py --model tiny-random` behind a login: its address and its log."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("auth") / "app.log"
     env = {**os.environ, "MINICPMV_AUTH": "alice:s3cret", "GRADIO_SERVER_PORT": str(port),
@@ -47,9 +48,21 @@ def protected_url(tmp_path_factory):
             break  # answering (with 401): up
         except OSError:
             time.sleep(1)
-    yield url
+    yield url, log_path
     process.terminate()
     process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def protected_url(protected_app):
+    return protected_app[0]
+
+
+def test_the_start_names_this_apps_share_flag(protected_app):
+    """Gradio's own start-up lines advise `share=True` in `launch()`: the app says --share."""
+    log = protected_app[1].read_text()
+    assert "* Running on http://" in log and "(--share for a public link)" in log
+    assert "share=True" not in log
 
 
 def test_auth_protects_the_api_and_the_page(protected_url, red_image):

@@ -12,6 +12,8 @@ import gradio as gr
 
 from app import tuning
 from app.messages import (
+    MSG_EMPTY_CHAT,
+    MSG_EMPTY_QUESTION,
     MSG_EMPTY_REQUEST,
     MSG_MULTI_IMAGE_NEEDS_IMAGES,
     MSG_SETTINGS_NOT_OBJECT,
@@ -194,7 +196,7 @@ class Handlers:
         if camera_image:
             paths.append(camera_image)
         if not text.strip() and not paths:
-            raise refusal(MSG_EMPTY_REQUEST)
+            raise refusal(MSG_EMPTY_CHAT)
         try:
             for path in paths:
                 _check_upload(path)
@@ -288,8 +290,8 @@ class Handlers:
         return self._add_question(question, [video], history)
 
     def _add_question(self, question: str, paths: list[str], history: list):
-        if not (question or "").strip():
-            raise refusal(MSG_EMPTY_REQUEST)
+        if not (question or "").strip():  # the Multi-image and Video tabs' media are already there
+            raise refusal(MSG_EMPTY_QUESTION)
         history = list(history or [])
         if not any(entry["role"] == "user" for entry in history):
             try:

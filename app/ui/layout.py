@@ -264,6 +264,12 @@ def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
 
 
+def _gallery_at(paths: list[str], index: int | None):
+    """The gallery holding `paths` with image `index` highlighted and previewed, and the index kept: the
+    page's own highlight stays on its slot, which after a move holds another image."""
+    return gr.Gallery(value=paths, selected_index=index), index
+
+
 def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace, sidebar: dict) -> None:
     """A changed set of images starts a new conversation."""
     handlers = wiring.handlers
@@ -276,10 +282,11 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace, sidebar: di
     tab.gallery.upload(lambda: [], None, [tab.chat], api_visibility="undocumented")
     tab.gallery.select(Handlers.selected_index, None, [tab.selected], api_visibility="undocumented")
     for button, offset in ((tab.earlier, -1), (tab.later, 1)):
-        button.click(lambda g, i, o=offset: Handlers.move_image(g, i, o), [tab.gallery, tab.selected],
+        button.click(lambda g, i, o=offset: _gallery_at(*Handlers.move_image(g, i, o)), [tab.gallery, tab.selected],
                      [tab.gallery, tab.selected], api_visibility="undocumented").then(
             lambda: [], None, [tab.chat], api_visibility="undocumented")
-    tab.remove.click(Handlers.remove_image, [tab.gallery, tab.selected], [tab.gallery, tab.selected],
+    tab.remove.click(lambda g, i: _gallery_at(*Handlers.remove_image(g, i)), [tab.gallery, tab.selected],
+                     [tab.gallery, tab.selected],
                      api_visibility="undocumented").then(lambda: [], None, [tab.chat], api_visibility="undocumented")
     for control in (sidebar["max_slice_nums"], sidebar["downsample_mode"], sidebar["visual_token_budget"]):
         control.change(image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")

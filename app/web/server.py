@@ -68,7 +68,8 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     slots = handler_slots(config)
     demo.queue(max_size=slots, default_concurrency_limit=1)
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
-                prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=quiet,
+                # Quiet: Gradio's own lines advise `share=True` in `launch()`; this app's flag is --share.
+                prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=True,
                 footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
                 max_threads=slots + 40, enable_monitoring=False,
                 # Run history is a page the app does not link, and its routes have the server call the
@@ -81,6 +82,8 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
                             # Gradio checks the login route by route and misses some: this checks every request.
                             "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token)]})
     janitor.start(running=lambda: demo.is_running)
+    if not quiet:
+        print(f"* Running on {demo.local_url}" + ("" if config.share else " (--share for a public link)"), flush=True)
     started()  # Gradio and the UI: 166,000 objects, 0.18 s a full collection on the dev machine
     if not prevent_thread_lock:
         demo.block_thread()
