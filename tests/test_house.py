@@ -88,13 +88,16 @@ def test_the_web_side_loads_without_torch():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_the_scheduler_never_touches_the_gpu():
-    """The scheduler decides; the GPU's work goes through the runner it is handed (nano-vllm's split):
-    it imports nothing of app.model and loads without torch."""
-    path = APP / "engine" / "scheduler.py"
-    assert not {name for name in imported_modules(path, app_modules()) if name.startswith("app.model")}
-    result = loads_without_torch(("app.engine.scheduler",))
+def test_the_engine_side_loads_without_torch_and_the_scheduler_never_touches_the_gpu():
+    """app/engine is the request's life: every module of it loads without torch (the GPU side, app/model,
+    comes with a model's load). The scheduler decides and the runner it is handed does the GPU's work
+    (nano-vllm's split): it imports nothing of app.model at all."""
+    modules = app_modules()
+    engine = tuple(sorted(name for name in modules if name.startswith("app.engine.")))
+    result = loads_without_torch(engine)
     assert result.returncode == 0, result.stderr[-3000:]
+    path = APP / "engine" / "scheduler.py"
+    assert not {name for name in imported_modules(path, modules) if name.startswith("app.model")}
 
 
 def test_the_runner_decides_its_backends_once():

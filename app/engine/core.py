@@ -18,8 +18,7 @@ from typing import Callable, Iterator
 from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.model.runner import BatchRunner, canvas_positions
-from app.engine.inputs import PreparedInputs, thinks_by_default
+from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
 from app.engine.replies import follow_reply, prepared_summary
@@ -53,7 +52,7 @@ class ModelManager:
         self.scheduler = Scheduler(config.max_batch_size, config.queue_size, self.metrics, inline=zero_gpu_enabled())
         self._ready = threading.Event()  # a model is loaded (cleared while switching)
         self.preparer = None  # app.engine.preparers: threads here, or worker processes
-        self.runner: BatchRunner | None = None  # the model's side of batching, handed to the scheduler
+        self.runner = None  # app.model.runner.BatchRunner: the model's side of batching, handed to the scheduler
         self._version = 0  # bumped by every load, so a request prepared for an older model is prepared again
 
     # Loading ---------------------------------------------------------------------------------------
@@ -75,6 +74,8 @@ class ModelManager:
         self.preparer = (ProcessPreparer(self.source.path, self.config.trust_remote_code, workers, pixel_dtype) if workers
                          else ThreadPreparer(self.processor, pixel_dtype))
         # On ZeroGPU each request runs in a fresh GPU worker: captured graphs would not outlive it.
+        from app.model.runner import BatchRunner  # the GPU side (torch): with the model, not at import
+
         self.runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
         self.scheduler.attach(self.runner, self._version, self._prepare_again)
         self._ready.set()

@@ -33,7 +33,7 @@ class PreparedInputs:
     video_frames: int = 0
     notices: list[str] = field(default_factory=list)
     opens_thinking: bool = False  # the chat template left a reasoning block open for the reply
-    canvas: tuple | None = None  # M-RoPE positions and offset (MiniCPM-V 4.7): batch_runner.canvas_positions
+    canvas: tuple | None = None  # M-RoPE positions and offset (MiniCPM-V 4.7): canvas_positions
     # perf_counter() readings at the preparation's stages (manager.preparation_stages); one clock for all of a
     # machine's processes (CLOCK_MONOTONIC), so a worker's readings can be set against the engine's.
     timeline: dict = field(default_factory=dict)
@@ -227,6 +227,20 @@ def thinks_by_default(processor) -> bool:
 
     unset = rendered()
     return unset == rendered(enable_thinking=True) != rendered(enable_thinking=False)
+
+
+def canvas_positions(model, tensors: dict, downsample_mode: str) -> tuple | None:
+    """A prompt's M-RoPE positions [3, length] and what later tokens add to their text position, for a
+    model that lays images out on canvases (MiniCPM-V 4.7, through its own get_rope_index); None when
+    positions are plain token counts (4.6, or a prompt without media). CPU work on the prompt's ids."""
+    get_rope_index = getattr(model.model, "get_rope_index", None)
+    media = tensors.get("target_sizes") is not None or tensors.get("target_sizes_videos") is not None
+    if get_rope_index is None or tensors.get("mm_token_type_ids") is None or not media:
+        return None
+    positions, deltas = get_rope_index(
+        tensors["input_ids"], tensors["mm_token_type_ids"], target_sizes=tensors.get("target_sizes"),
+        target_sizes_videos=tensors.get("target_sizes_videos"), downsample_mode=downsample_mode)
+    return positions[:, 0], int(deltas[0, 0])
 
 
 def _media_fit(messages: list[dict]) -> bool:

@@ -33,20 +33,6 @@ from app.model.transfers import on_device
 log = logging.getLogger(__name__)
 
 
-def canvas_positions(model, tensors: dict, downsample_mode: str) -> tuple[torch.Tensor, int] | None:
-    """A prompt's M-RoPE positions [3, length] and what later tokens add to their text position, for a
-    model that lays images out on canvases (MiniCPM-V 4.7, through its own get_rope_index); None when
-    positions are plain token counts (4.6, or a prompt without media). CPU work on the prompt's ids."""
-    get_rope_index = getattr(model.model, "get_rope_index", None)
-    media = tensors.get("target_sizes") is not None or tensors.get("target_sizes_videos") is not None
-    if get_rope_index is None or tensors.get("mm_token_type_ids") is None or not media:
-        return None
-    positions, deltas = get_rope_index(
-        tensors["input_ids"], tensors["mm_token_type_ids"], target_sizes=tensors.get("target_sizes"),
-        target_sizes_videos=tensors.get("target_sizes_videos"), downsample_mode=downsample_mode)
-    return positions[:, 0], int(deltas[0, 0])
-
-
 class BatchRunner:
     """What the scheduler asks of the GPU. How each part runs is chosen once, here: the text and vision
     backends (app.model.backends), the decode step captured or launched (app.model.cuda_graphs), pixels
