@@ -1,7 +1,11 @@
-"""The engine's history of its load (EngineMetrics.sample, on a clock)."""
+"""The engine's history of its load (EngineMetrics.sample, on a clock) and the Server load panel's charts
+drawn from it (app.ui.load_charts)."""
+
+import math
 
 from app import tuning
 from app.engine.metrics import EngineMetrics
+from app.ui.load_charts import MINUTES, chart_values
 from tests.conftest import wait_for
 
 
@@ -56,3 +60,17 @@ def test_the_history_is_sampled_on_a_clock_and_emptied_by_a_reset(monkeypatch):
     assert times == sorted(times)
     metrics.reset()  # after the warm-up: the panel shows users' load only
     assert len(metrics.history()) < 3
+
+
+def test_the_charts_show_the_history_by_minutes_before_the_newest_sample():
+    assert chart_values([]) == [None] * 4
+    history = [{"time": 1000.0 + 30 * i, "tokens_per_s": 10.0 * i, "running": i, "waiting": 1,
+                "ttft_p50_s": None if i == 1 else 0.2, "ttft_p95_s": None if i == 1 else 0.4, "gpu_memory_bytes": None}
+               for i in range(3)]
+    tokens, replies, first_token, gpu = chart_values(history)
+    assert list(tokens[MINUTES]) == [-1.0, -0.5, 0.0] and list(tokens["tokens/s"]) == [0.0, 10.0, 20.0]
+    assert sorted(set(replies["replies"])) == ["answering", "waiting"]
+    assert list(replies[replies["replies"] == "answering"]["count"]) == [0, 1, 2]
+    p95 = list(first_token[first_token["percentile"] == "p95"]["ms"])
+    assert p95[0] == 400 and math.isnan(p95[1]) and p95[2] == 400  # the line breaks where none came
+    assert gpu is None  # no GPU: the chart stays empty under its label
