@@ -62,6 +62,21 @@ def test_the_history_is_sampled_on_a_clock_and_emptied_by_a_reset(monkeypatch):
     assert len(metrics.history()) < 3
 
 
+def test_a_failing_gauge_does_not_stop_the_clock(monkeypatch):
+    monkeypatch.setattr(tuning, "LOAD_SAMPLE_S", 0.01)
+    metrics = EngineMetrics()
+    failures = iter([RuntimeError("the GPU is gone")])
+
+    def batch_size():
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return 1
+
+    metrics.gauges["batch_size"] = batch_size
+    assert wait_for(lambda: any(sample["running"] == 1 for sample in metrics.history()), 30)
+
+
 def test_the_charts_show_the_history_by_minutes_before_the_newest_sample():
     assert chart_values([]) == [None] * 4
     history = [{"time": 1000.0 + 30 * i, "tokens_per_s": 10.0 * i, "running": i, "waiting": 1,

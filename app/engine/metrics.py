@@ -1,6 +1,7 @@
 """Serving metrics in Prometheus text format (for /metrics), as a snapshot for the UI's live panel, and as
 the last minutes' history for the panel's charts."""
 
+import logging
 import math
 import threading
 import time
@@ -10,6 +11,8 @@ from collections import deque
 from typing import Callable
 
 from app import tuning
+
+log = logging.getLogger(__name__)
 
 TTFT_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 TOKEN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
@@ -60,7 +63,10 @@ def _sample_on_a_clock(metrics_ref: weakref.ref) -> None:
         metrics = metrics_ref()
         if metrics is None:
             return
-        metrics.sample()
+        try:
+            metrics.sample()
+        except Exception:  # a gauge that fails (the GPU lost, say) must not stop the clock
+            log.exception("Sampling the load for the Server load panel failed")
         del metrics
 
 
