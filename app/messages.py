@@ -79,6 +79,7 @@ MSG_RANDOM_WEIGHTS = (
     "⚠️ **Random weights.** This is the tiny random-weight MiniCPM-V 4.6 built for tests: replies are "
     "meaningless tokens. Start with `--model openbmb/MiniCPM-V-4.6` for real answers."
 )
+MSG_NO_GPU = "GPU memory: no GPU"
 MSG_SHARE_WITHOUT_AUTH = (
     "\n" + "!" * 78 + "\n"
     "!! --share without --auth: anyone who gets the share link can use this demo, your GPU and every\n"

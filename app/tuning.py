@@ -66,6 +66,14 @@ STREAM_UPDATE_INTERVAL_S = 0.05
 # server's single Python process, which ran near a full core at 100-200 users through the app on an H200
 # box while the GPU idled half the time. With 200 replies streaming, each is updated every 0.4 s.
 STREAM_UPDATES_PER_S = 500
+# The engine samples its load this often into the history behind the Server load panel's charts, which
+# show the last LOAD_HISTORY_S; the open panel refreshes as often. Every web process's open panels poll
+# the one history in the engine (app.engine.metrics): 120 samples, one engine call a panel a refresh.
+LOAD_SAMPLE_S = 5.0
+LOAD_HISTORY_S = 600.0
+# Each sample's first-token p50 and p95 are of the first tokens of this last while: a lone request shows as a
+# stretch of line, not as one point (which a line chart does not draw).
+LOAD_FIRST_TOKEN_WINDOW_S = 60.0
 PROFILE_GPU_MAX_S = 60.0  # ModelManager.profile_gpu's longest window: the profiler keeps every kernel in memory
 
 # What an environment variable MINICPMV_<NAME> may set (app.config.apply_environment, at the start of
@@ -83,4 +91,5 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "PREPARE_CONCURRENCY",
     "STREAM_UPDATE_INTERVAL_S",
     "STREAM_UPDATES_PER_S",
+    "LOAD_SAMPLE_S",
 )}

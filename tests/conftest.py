@@ -12,6 +12,8 @@ os.environ.setdefault("MINICPMV_DEMO_CACHE", os.path.join(tempfile.gettempdir(),
 # Uploads expire quickly here so that the soak test can see the clean-up keep the cache bounded.
 os.environ.setdefault("MINICPMV_UPLOAD_MAX_AGE_S", "20")
 os.environ.setdefault("MINICPMV_UPLOAD_CLEAN_EVERY_S", "5")
+# The engine samples its load (and an open Server load panel refreshes) every second: charts fill quickly.
+os.environ.setdefault("MINICPMV_LOAD_SAMPLE_S", "1")
 
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402

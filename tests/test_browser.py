@@ -225,10 +225,37 @@ def test_server_load_panel_follows_the_engine(browser, server_url, manager):
     page.locator("#chat-input textarea").fill("Count to three.")
     page.locator("#chat-input textarea").press("Enter")
     assert wait_for(lambda: manager.metrics.requests["finished"] > before, 60)
-    # The panel refreshes itself (every 2 s while open) to the engine's new count.
+    # The panel refreshes itself (as often as the engine samples its load, while open) to the engine's new count.
     expected = f"{manager.metrics.requests['finished']:,} answered"
     assert wait_for(lambda: expected in panel.inner_text(), 10), panel.inner_text()
     assert re.search(r"\d+ answering now · \d+ waiting · [\d,]+ tokens/s", panel.inner_text())
+    page.close()
+
+
+@pytest.mark.parametrize("width", [1366, 390])
+def test_server_load_charts_fill_with_the_engines_history(browser, server_url, client, width):
+    """The panel's charts of the last minutes, drawn from the engine's history after some requests: side by
+    side on a desktop, one above the other on a phone, none wider than the page; no GPU here, and the GPU
+    chart says so."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    page.goto(server_url)
+    page.get_by_text("Server load").click()
+    for _ in range(2):
+        client.predict("Count to three.", [], {"max_new_tokens": 8}, api_name="/ask")
+    charts = {name: page.locator(f"#load-{name}") for name in ("tokens", "replies", "first-token", "gpu")}
+    # A chart with points is drawn by Vega; one without shows Gradio's empty box.
+    for name in ("tokens", "replies", "first-token"):
+        assert wait_for(lambda: charts[name].locator(".vega-embed").count() == 1, 60), name
+    assert charts["gpu"].get_by_text("GPU memory: no GPU").is_visible()
+    assert charts["gpu"].locator(".vega-embed").count() == 0
+    boxes = {name: chart.bounding_box() for name, chart in charts.items()}
+    assert all(box["x"] >= 0 and box["x"] + box["width"] <= width for box in boxes.values()), boxes
+    side_by_side = boxes["tokens"]["y"] == boxes["replies"]["y"]
+    assert side_by_side == (width >= 1000), boxes
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    page.locator("#server-load").scroll_into_view_if_needed()
+    page.screenshot(path=os.path.join(ARTIFACTS, f"server-load-{width}.png"), full_page=True)
     page.close()
 
 

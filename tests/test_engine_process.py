@@ -145,6 +145,8 @@ def test_metrics_come_from_the_engine_process(engine, engine_url):
     assert after["tokens_generated"] == before["tokens_generated"] + 5
     text = urllib.request.urlopen(engine_url.rstrip("/") + "/metrics", timeout=10).read().decode()
     assert f'minicpmv_requests_total{{outcome="finished"}} {after["requests"]["finished"]}' in text
+    # The load's history, sampled in the engine process, comes over the pipe: a sample after that first token.
+    assert wait_for(lambda: engine.metrics.history()[-1:] and engine.metrics.history()[-1]["ttft_p50_s"] is not None, 60)
 
 
 def test_stop_takes_the_request_out_of_the_engine_process_batch(engine):

@@ -31,6 +31,7 @@ class EngineCall(str, Enum):
     METRICS_SNAPSHOT = "metrics.snapshot"
     METRICS_PROMETHEUS = "metrics.prometheus"
     METRICS_RESET = "metrics.reset"
+    METRICS_HISTORY = "metrics.history"
 
 
 @dataclass

@@ -301,3 +301,6 @@ class _RemoteMetrics:
 
     def reset(self) -> None:
         self._call(EngineCall.METRICS_RESET)
+
+    def history(self) -> list[dict]:
+        return self._call(EngineCall.METRICS_HISTORY)

@@ -1,10 +1,18 @@
-"""Serving metrics in Prometheus text format (for /metrics) and as a snapshot for the UI's live panel."""
+"""Serving metrics in Prometheus text format (for /metrics), as a snapshot for the UI's live panel, and as
+the last minutes' history for the panel's charts."""
 
+import logging
+import math
 import threading
 import time
+import weakref
 from bisect import bisect_left
 from collections import deque
 from typing import Callable
+
+from app import tuning
+
+log = logging.getLogger(__name__)
 
 TTFT_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 TOKEN_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
@@ -43,17 +51,40 @@ class Histogram:
         return lines + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
 
 
+def _nearest_rank(ordered: list[float], q: float) -> float | None:
+    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)] if ordered else None
+
+
+def _sample_on_a_clock(metrics_ref: weakref.ref) -> None:
+    """The history's clock: a sample every LOAD_SAMPLE_S, until the metrics are dropped (a weak reference, so
+    that a test's engine is not kept alive by its sampler)."""
+    while True:
+        time.sleep(tuning.LOAD_SAMPLE_S)
+        metrics = metrics_ref()
+        if metrics is None:
+            return
+        try:
+            metrics.sample()
+        except Exception:  # a gauge that fails (the GPU lost, say) must not stop the clock
+            log.exception("Sampling the load for the Server load panel failed")
+        del metrics
+
+
 class EngineMetrics:
-    """Counters the engine updates as it works; gauges are read from the engine when rendered."""
+    """Counters the engine updates as it works; gauges are read from the engine when rendered. A thread of
+    its own samples the load on a clock into a bounded history, the one every web process reads."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.gauges: dict[str, Callable[[], float | None]] = {}
         self.on_reset: list[Callable[[], None]] = []  # e.g. the GPU's peak memory starts again
+        self._history: deque[dict] = deque(maxlen=round(tuning.LOAD_HISTORY_S / tuning.LOAD_SAMPLE_S))
         self.reset()
+        threading.Thread(target=_sample_on_a_clock, args=(weakref.ref(self),), name="metrics-history",
+                         daemon=True).start()
 
     def reset(self) -> None:
-        """Counters and histograms back to zero (gauges stay)."""
+        """Counters, histograms and the history back to zero (gauges stay)."""
         for hook in self.on_reset:
             hook()
         with self._lock:
@@ -67,6 +98,8 @@ class EngineMetrics:
             self.ttft = Histogram(TTFT_BUCKETS_S)
             self.token_latency = Histogram(TOKEN_BUCKETS_S)
             self._recent_tokens: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
+            self._recent_first_tokens: deque[tuple[float, float]] = deque()  # (time, seconds), for the history
+            self._history.clear()
 
     def request_done(self, outcome: str) -> None:
         with self._lock:
@@ -75,6 +108,7 @@ class EngineMetrics:
     def first_token(self, seconds: float) -> None:
         with self._lock:
             self.ttft.observe(seconds)
+            self._recent_first_tokens.append((time.monotonic(), seconds))
 
     def prefill_work(self, seconds: float) -> None:
         """The scheduler's thread spent `seconds` starting a wave's media encoding, or prefilling it."""
@@ -131,6 +165,34 @@ class EngineMetrics:
                 "ttft_p95_s": self.ttft.quantile(0.95),
                 "token_latency_p50_s": self.token_latency.quantile(0.5),
             }
+
+    def sample(self) -> None:
+        """One point of the history: the load now, and exact percentiles of the first tokens of the last
+        LOAD_FIRST_TOKEN_WINDOW_S (None if none came; the snapshot's are the histogram's, since the reset)."""
+        snapshot = self.snapshot()
+        since = time.monotonic() - tuning.LOAD_FIRST_TOKEN_WINDOW_S
+        with self._lock:
+            while self._recent_first_tokens and self._recent_first_tokens[0][0] < since:
+                self._recent_first_tokens.popleft()
+            first_tokens = [seconds for _, seconds in self._recent_first_tokens]
+        first_tokens.sort()  # outside the lock, which the scheduler's thread takes at every step
+        sample = {
+            "time": time.time(),
+            "tokens_per_s": snapshot["tokens_per_s"],
+            # The OpenAI backend has no batch or wait line of its own: its requests in flight are running.
+            "running": snapshot.get("batch_size", snapshot.get("requests_in_flight", 0)),
+            "waiting": snapshot.get("queue_depth", 0),
+            "ttft_p50_s": _nearest_rank(first_tokens, 0.5),
+            "ttft_p95_s": _nearest_rank(first_tokens, 0.95),
+            "gpu_memory_bytes": snapshot.get("gpu_memory_bytes"),
+        }
+        with self._lock:
+            self._history.append(sample)
+
+    def history(self) -> list[dict]:
+        """The samples of the last LOAD_HISTORY_S, oldest first."""
+        with self._lock:
+            return list(self._history)
 
     def prometheus(self) -> str:
         gauges = {name: read() for name, read in self.gauges.items()}

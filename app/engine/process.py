@@ -57,6 +57,7 @@ _CALLS = {
     EngineCall.METRICS_SNAPSHOT: lambda manager: manager.metrics.snapshot(),
     EngineCall.METRICS_PROMETHEUS: lambda manager: manager.metrics.prometheus(),
     EngineCall.METRICS_RESET: lambda manager: manager.metrics.reset(),
+    EngineCall.METRICS_HISTORY: lambda manager: manager.metrics.history(),
 }
 
 

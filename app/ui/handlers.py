@@ -27,6 +27,7 @@ from app.errors import UserError
 from app.media.files import media_kind
 from app.media.images import check_image
 from app.media.video import probe_video, sampled_frame_indices
+from app.ui.load_charts import chart_values
 from app.ui.refusals import log_refusal, refusal
 
 # The settings components, in the order every generating event passes them after its own inputs
@@ -303,8 +304,9 @@ class Handlers:
         history.append({"role": "user", "content": question})
         return history, ""
 
-    def server_load(self) -> str:
-        return load_panel(self.manager.metrics.snapshot())
+    def server_load(self) -> list:
+        """The Server load panel's text, then its charts' values (app.ui.load_charts)."""
+        return [load_panel(self.manager.metrics.snapshot()), *chart_values(self.manager.metrics.history())]
 
     # Model picker -----------------------------------------------------------------------------------
 

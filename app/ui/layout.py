@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from app import limits
+from app import limits, tuning
 from app.messages import MSG_RANDOM_WEIGHTS
 from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import handler_slots
@@ -13,6 +13,7 @@ from app.model.checkpoint.presets import PRESETS
 from app.ui.cancellable import cancellable
 from app.ui.file_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, error_message, model_header, settings_dict
+from app.ui.load_charts import load_charts
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
@@ -164,12 +165,13 @@ def _header_and_panels(manager, handlers: Handlers, defaults) -> tuple[gr.Markdo
         gr.Markdown(MSG_RANDOM_WEIGHTS, elem_id="random-weights")
     sidebar = _settings_sidebar(defaults, info.thinking_by_default)
     with gr.Accordion("Server load", open=False) as load_accordion:
-        load = gr.Markdown(handlers.server_load(), elem_id="server-load")
-    # Refreshed only while someone has the panel open: hundreds of idle tabs should not poll.
-    load_timer = gr.Timer(2.0, active=False)
-    load_timer.tick(handlers.server_load, None, [load], api_visibility="private", show_progress="hidden",
-                    queue=False)
-    load_accordion.expand(lambda: gr.Timer(active=True), None, [load_timer], api_visibility="private", queue=False)
+        load = [gr.Markdown(elem_id="server-load"), *load_charts(on_gpu=info.gpu_memory_bytes is not None)]
+    # Filled when opened, then refreshed as often as the engine samples, only while someone has the panel
+    # open: hundreds of idle tabs should not poll.
+    load_timer = gr.Timer(tuning.LOAD_SAMPLE_S, active=False)
+    load_timer.tick(handlers.server_load, None, load, api_visibility="private", show_progress="hidden", queue=False)
+    load_accordion.expand(lambda: [gr.Timer(active=True), *handlers.server_load()], None, [load_timer, *load],
+                          api_visibility="private", show_progress="hidden", queue=False)
     load_accordion.collapse(lambda: gr.Timer(active=False), None, [load_timer], api_visibility="private", queue=False)
     if manager.config.allow_model_switch:
         with gr.Accordion("Model", open=False):
