@@ -66,6 +66,11 @@ STREAM_UPDATE_INTERVAL_S = 0.05
 # server's single Python process, which ran near a full core at 100-200 users through the app on an H200
 # box while the GPU idled half the time. With 200 replies streaming, each is updated every 0.4 s.
 STREAM_UPDATES_PER_S = 500
+# The previews of what the model will see (app.ui.previews) run in the web process: each decodes thumbnails,
+# a video's sampled frames, or makes a video's browser copy (app.media.playback: up to about 10 s of a core).
+# A few at once, of images and of videos each, keep one long video from holding up everyone's previews, and
+# a crowd of uploads from taking every core of the box.
+PREVIEWS_AT_ONCE = 4
 PROFILE_GPU_MAX_S = 60.0  # ModelManager.profile_gpu's longest window: the profiler keeps every kernel in memory
 
 # What an environment variable MINICPMV_<NAME> may set (app.config.apply_environment, at the start of

@@ -37,6 +37,16 @@ def image_size(path: str) -> tuple[int, int]:
         return (image.width, image.height) if turned else (image.height, image.width)
 
 
+def load_thumbnail(path: str, longest_side: int) -> Image.Image:
+    """The image upright in RGB, shrunk to at most `longest_side` pixels a side (JPEGs decoded at a fraction
+    of their size: a preview costs the web process little)."""
+    with _opened(path) as image:
+        image.draft("RGB", (longest_side, longest_side))
+        upright = ImageOps.exif_transpose(image).convert("RGB")
+    upright.thumbnail((longest_side, longest_side))
+    return upright
+
+
 def check_image(path: str) -> None:
     """Refuse what load_image would refuse from the file's header alone (not an image, too many
     pixels), without decoding the pixels. A file whose pixels are broken past its header is refused
