@@ -18,6 +18,7 @@ from app.ui.pictures import draw_grid, slice_lines, slicing_picture
 from app.ui.previews import Previews, ShownVideo, request_images
 from tests.conftest import frame_index, make_image, make_video
 from tests.test_handlers import ui_settings
+from tests.test_hardening import canary, event_index, file_entry, not_uploaded_paths, raw_event  # noqa: F401 (a fixture)
 
 EXAMPLE_VIDEO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "examples", "ball.webm")
 
@@ -160,3 +161,18 @@ def test_a_copy_made_for_a_video_replaced_meanwhile_does_not_land(previews, tmp_
     previews.video_put(second, shown)
     assert [[updates(update) for update in step] for step in updates_of_first] == [[{}] * 5]  # no copy over the second
     assert chosen(previews, second)[-1][4].endswith("second.mp4.browser.webm")
+
+
+def test_a_forged_path_never_reaches_the_previews(server_url, canary, tmp_path, manager):
+    """The Video tab's preview event (it opens the video in the web process) and the Multi-image one, called
+    with a URL, a protocol or a file of the server: refused before anything is opened or fetched."""
+    from app.ui.handlers import SETTING_KEYS
+
+    settings = [manager.default_settings().as_dict()[key] for key in SETTING_KEYS]
+    video_chosen, gallery_images = event_index(server_url, "video_chosen"), event_index(server_url, "gallery_images")
+    for path in not_uploaded_paths(canary, tmp_path)[:7]:
+        for event, data in ((video_chosen, [file_entry(path, False), 1.0, 128, None]),
+                            (gallery_images, [[{"image": file_entry(path, False), "caption": None}], *settings])):
+            answer = raw_event(server_url, event, data)
+            assert not answer["success"] and "was not uploaded to this app" in answer["output"]["error"], (path, answer)
+    assert canary["requests"] == []
