@@ -6,7 +6,7 @@ Model messages are plain dicts: {"role": "user" | "assistant", "content": [part,
 
 import re
 
-from app.media.files import media_kind
+from app.media.files import media_kind, source_of
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -82,7 +82,7 @@ def _text_of(part) -> str | None:
 
 def user_content(text: str, paths: list[str]) -> list[dict]:
     """A user turn: media first, then the question, as MiniCPM-V is prompted."""
-    parts = [{"type": media_kind(path), "path": path} for path in paths]
+    parts = [{"type": media_kind(path), "path": source_of(path)} for path in paths]
     if text.strip():
         parts.append({"type": "text", "text": text})
     return parts
@@ -102,8 +102,8 @@ def history_to_messages(history: list[dict]) -> list[dict]:
         for part in _parts_of(entry["content"]):
             path = _file_path(part)
             if path is not None:
-                if role == "user":
-                    parts.append({"type": media_kind(path), "path": path})
+                if role == "user":  # a video's browser copy is shown; the model reads the original
+                    parts.append({"type": media_kind(path), "path": source_of(path)})
                 continue
             text = _text_of(part)
             if text is None:

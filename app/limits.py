@@ -52,6 +52,13 @@ MAX_VIDEO_SECONDS = 4 * 3600  # longer videos are sampled just as well; this bou
 # Frames to sample x pixels per frame (each frame is also held to MAX_IMAGE_PIXELS): the sampled frames'
 # memory, 3 bytes a pixel (3 GiB at this default, which still lets a 3840x2160 video give 128 frames).
 MAX_VIDEO_SAMPLED_PIXELS = 2**30
+# A video the browser cannot play (mp4v, common from OpenCV and phone editors) gets a WebM copy for the player
+# alone (app.media.playback), made in the web process: its first seconds, at a lower rate and size, and no more
+# decoding than a minute of 720p at 30 fps. Each bound caps the cost: about 10 s of one core at most here.
+BROWSER_COPY_MAX_SECONDS = 60
+BROWSER_COPY_MAX_FPS = 15
+BROWSER_COPY_MAX_PIXELS = 640 * 360  # per frame of the copy
+BROWSER_COPY_MAX_DECODED_PIXELS = 60 * 30 * 1280 * 720
 
 # Text.
 MAX_PROMPT_CHARS = 20_000

@@ -75,6 +75,15 @@ MSG_OUT_OF_MEMORY = "The GPU ran out of memory for this request. Try fewer image
 MSG_GENERATION_FAILED = "Generation failed: {error}"
 MSG_MULTI_IMAGE_NEEDS_IMAGES = "Add at least one image to the gallery first."
 MSG_VIDEO_NEEDS_VIDEO = "Upload a video first."
+MSG_MULTI_IMAGE_HINT = "Add two or more images, then ask about them together."
+MSG_VIDEO_HINT = "Upload a video (mp4, webm, mov, avi or mkv), then ask about it."
+MSG_VIDEO_SAMPLING = "{seconds:.1f} s at {fps:.1f} fps ({total:,} frames): **{count}** frames will be sampled."
+MSG_VIDEO_NOT_PLAYABLE = ("Browsers cannot play this file's video codec ({codec}): a copy for the player is being "
+                          "made. The model reads your file.")
+MSG_VIDEO_BROWSER_COPY = ("The player shows a copy made for the browser (WebM, at most the first {seconds} s, at up "
+                          "to {fps} frames a second). The model reads your file.")
+MSG_VIDEO_NO_BROWSER_COPY = ("Browsers cannot play this file's video codec ({codec}), and no copy could be made for "
+                             "the player. The model reads your file: the frames below are what it sees.")
 MSG_RANDOM_WEIGHTS = (
     "⚠️ **Random weights.** This is the tiny random-weight MiniCPM-V 4.6 built for tests: replies are "
     "meaningless tokens. Start with `--model openbmb/MiniCPM-V-4.6` for real answers."

@@ -74,6 +74,11 @@ LOAD_HISTORY_S = 600.0
 # Each sample's first-token p50 and p95 are of the first tokens of this last while: a lone request shows as a
 # stretch of line, not as one point (which a line chart does not draw).
 LOAD_FIRST_TOKEN_WINDOW_S = 60.0
+# The previews of what the model will see (app.ui.previews) run in the web process: each decodes thumbnails,
+# a video's sampled frames, or makes a video's browser copy (app.media.playback: up to about 10 s of a core).
+# A few at once, of images and of videos each, keep one long video from holding up everyone's previews, and
+# a crowd of uploads from taking every core of the box.
+PREVIEWS_AT_ONCE = 4
 PROFILE_GPU_MAX_S = 60.0  # ModelManager.profile_gpu's longest window: the profiler keeps every kernel in memory
 
 # What an environment variable MINICPMV_<NAME> may set (app.config.apply_environment, at the start of

@@ -6,10 +6,11 @@ import time
 
 import pytest
 
-from tests.conftest import ARTIFACTS, make_image, truncated_png, wait_for
+from tests.conftest import ARTIFACTS, make_image, make_video, truncated_png, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 STATS_LINE = re.compile(r"\d[\d,]* visual tokens · first token")
+WIDTHS = (1366, 390)  # a laptop and a phone
 # Only local runs may skip; in CI (CI=true) a missing browser must fail the run.
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM) and not os.environ.get("CI"),
                                 reason="Debian's chromium is not installed (scripts/test.sh installs it)")
@@ -27,8 +28,8 @@ def browser():
         browser.close()
 
 
-def open_page(browser, server_url):
-    page = browser.new_page(viewport={"width": 1280, "height": 1100})
+def open_page(browser, server_url, width: int = 1280):
+    page = browser.new_page(viewport={"width": width, "height": 1100})
     page.goto(server_url)
     page.wait_for_selector("#chat-input textarea")
     return page
@@ -312,3 +313,82 @@ def test_the_multi_image_highlight_follows_the_image_it_moves(browser, server_ur
     page.get_by_role("button", name="✕ Remove").click()
     assert wait_for(lambda: shown() == names[:2], 20), shown()
     page.close()
+
+
+def set_max_slices(page, value: int) -> None:
+    page.locator(".sidebar .toggle-button").first.click()
+    box = page.get_by_label("number input for Max slices per image")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_an_attached_image_shows_its_cut_and_cost_before_it_is_sent(browser, server_url, manager, tmp_path,
+                                                                   monkeypatch, width):
+    """Attached, and before anything is sent, an image shows the cut the processor will make (its source view
+    and 3x3 slices, drawn on it) and its 640 tokens; lowering max slices redraws both; typing does not."""
+    plans, plan_images = [], manager.plan_images
+    monkeypatch.setattr(manager, "plan_images", lambda *args: plans.append(args) or plan_images(*args))
+    page = open_page(browser, server_url, width)
+    try:
+        page.locator("#chat-input input[type=file]").set_input_files(make_image(tmp_path, "square.png"))
+        costs, pictures = page.locator("#chat-costs"), page.locator("#chat-previews img")
+        costs.wait_for(timeout=30_000)
+        assert wait_for(lambda: "640 tokens" in costs.inner_text(), 30)
+        assert "3×3 slices of 448×448" in costs.inner_text() and "max 9 slices per image" in costs.inner_text()
+        assert pictures.count() == 1 and pictures.first.get_attribute("alt") == "square.png · 640 tokens"
+        page.screenshot(path=os.path.join(ARTIFACTS, f"image-preview-{width}.png"), full_page=True)
+        planned, drawn = len(plans), pictures.first.get_attribute("src")
+        page.locator("#chat-input textarea").press_sequentially("What is in it", delay=20)
+        set_max_slices(page, 4)
+        assert wait_for(lambda: "320 tokens" in costs.inner_text(), 30), costs.inner_text()
+        assert len(plans) == planned + 1  # the box changed at every key typed: only the slices asked for a plan
+        assert "2×2 slices" in costs.inner_text() and pictures.first.get_attribute("src") != drawn
+        assert page.get_by_text(STATS_LINE).count() == 0  # nothing was sent
+        assert page.locator("#chat-input [aria-label='File thumbnail']").count() == 1
+        page.locator(".sidebar .toggle-button").first.click()  # closed again, to see the page
+        page.screenshot(path=os.path.join(ARTIFACTS, f"image-preview-4-slices-{width}.png"), full_page=True)
+    finally:
+        page.close()
+
+
+PLAYER = "() => { const v = document.querySelector('#video-player video'); return v && [v.src, v.readyState, v.currentTime] }"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_video_chromium_cannot_play_shows_its_frames_and_plays_a_copy(browser, server_url, manager, tmp_path,
+                                                                        monkeypatch, width):
+    """An mp4v video (OpenCV's, a phone editor's): the strip of the frames the model will see, with their times,
+    and a WebM copy that plays in the player, with no "not playable" left on the page; the model, asked, reads
+    the original."""
+    asked, stream = [], manager.stream
+
+    def recording(messages, settings, stop=None):
+        asked.append(messages)
+        yield from stream(messages, settings, stop)
+
+    monkeypatch.setattr(manager, "stream", recording)
+    video = make_video(tmp_path, "phone.mp4", seconds=4, fps=8)
+    page = open_page(browser, server_url, width)
+    try:
+        set_max_new_tokens(page, 8)
+        page.locator(".sidebar .toggle-button").first.click()  # closed again
+        page.get_by_role("tab", name="Video").click()
+        page.locator("#video-player input[type=file]").set_input_files(video)
+        frames = page.locator("#video-frames .caption-label")
+        assert wait_for(lambda: frames.count() == 4, 60)
+        assert frames.all_inner_texts() == ["0.5 s", "1.5 s", "2.5 s", "3.5 s"]
+        assert wait_for(lambda: (page.evaluate(PLAYER) or [""])[0].endswith("/phone.mp4.browser.webm"), 60)
+        assert wait_for(lambda: page.evaluate(PLAYER)[1] >= 2, 30)  # HAVE_CURRENT_DATA: it decodes
+        page.evaluate("document.querySelector('#video-player video').play()")
+        assert wait_for(lambda: page.evaluate(PLAYER)[2] > 0, 30), "the copy did not play"
+        assert wait_for(lambda: page.get_by_text("not playable").count() == 0, 15)
+        assert "copy made for the browser" in page.locator("#video-player-note").inner_text()
+        page.screenshot(path=os.path.join(ARTIFACTS, f"video-copy-{width}.png"), full_page=True)
+        page.locator("#video-input textarea").fill("What happens?")
+        page.locator("#video-input textarea").press("Enter")
+        page.locator("#video-chat").get_by_text(STATS_LINE).wait_for(timeout=60_000)
+        part = asked[-1][0]["content"][0]
+        assert part["type"] == "video" and part["path"].endswith("/phone.mp4")  # the original, not the copy
+    finally:
+        page.close()

@@ -107,6 +107,18 @@ def test_replies_equal_the_in_process_engine_token_for_token(engine, manager, tm
             assert abs(sum(stages.values()) - stats["preprocess_ms"]) <= 0.5
 
 
+def test_the_ui_previews_come_from_the_engine_process(engine, manager, tmp_path):
+    """The web side draws an image's cut from the engine's plan (it loads no processor of its own): over the
+    pipe it is the in-process plan, and the preview drawn from it is the same."""
+    from app.ui.previews import Previews
+
+    paths = [make_image(tmp_path, "a.png", (1920, 1080)), make_image(tmp_path, "b.png", (448, 448))]
+    settings = GenerationSettings(max_slice_nums=4)
+    assert engine.plan_images(paths, settings) == manager.plan_images(paths, settings)
+    there, here = (Previews(side).gallery_images(paths, {"max_slice_nums": 4}) for side in (engine, manager))
+    assert there[1] == here[1] and "3×1 slices of 336×560" in there[1]
+
+
 def answers_at_once(ask, keys) -> dict:
     """{key: ask(key)} with every call on a thread of its own, all at once; fails on any error."""
     answers, failures = {}, []

@@ -5,6 +5,7 @@ import pytest
 
 from app.ui.handlers import SETTING_KEYS, Handlers, stats_message
 from app.ui.layout import question_then_answer
+from app.ui.previews import Previews
 from tests.conftest import make_image, truncated_png
 
 
@@ -164,8 +165,9 @@ def test_multi_image_order_costs_and_questions(handlers, manager, tmp_path):
     assert moved == [paths[0], paths[2], paths[1]] and selected == 1
     removed, selected = Handlers.remove_image(moved, 0)
     assert removed == [paths[2], paths[1]] and selected is None
-    costs = handlers.image_costs(moved, ui_settings(manager))
-    assert "| 1 | a.png | 640 |" in costs and "| 2 | c.png | 578 |" in costs and "| 3 | b.png | 64 |" in costs
+    pictures, costs = Previews(manager).gallery_images(moved, ui_settings(manager))
+    assert "1. **a.png**: 640 tokens" in costs and "2. **c.png**: 578 tokens" in costs and "3. **b.png**: 64 tokens" in costs
+    assert len(pictures["value"]) == 3
     history, box = handlers.add_multi_image_question("What changed?", moved, [])
     assert [m["content"] for m in history] == [{"path": paths[0]}, {"path": paths[2]}, {"path": paths[1]}, "What changed?"]
     _, history = run(handlers, manager, history)

@@ -1,5 +1,6 @@
 """Video sampling on real files written with OpenCV and decoded by app.media.video."""
 
+import os
 import re
 import struct
 
@@ -224,3 +225,64 @@ def test_only_a_local_file_reaches_ffmpeg(tmp_path):
             probe_video(name)
         with pytest.raises(UserError):
             sample_video(name)
+
+
+# A copy the browser plays (app.media.playback) --------------------------------------------------------------
+
+def test_frames_shrunk_as_they_are_read_are_the_same_frames(tmp_path):
+    """The UI's strip reads the frames the engine reads, each shrunk as it is decoded."""
+    path = make_video(tmp_path, seconds=10, fps=24, size=(640, 480))
+    whole, shrunk = sample_video(path, 1.0, 64), sample_video(path, 1.0, 64, longest_side=160)
+    assert shrunk.frame_indices == whole.frame_indices and shrunk.frames.shape == (10, 120, 160, 3)
+    assert [frame_index(frame) for frame in shrunk.frames] == [index % 256 for index in whole.frame_indices]
+
+
+def test_mp4v_gets_a_vp8_webm_copy_within_its_bounds(tmp_path):
+    from app.media.playback import browser_copy, browser_plays, codec
+
+    path = make_video(tmp_path, "phone.mp4", seconds=3, fps=60, size=(1920, 1080))  # mp4v: no browser plays it
+    assert codec(path) == "FMP4" and not browser_plays(path, codec(path))
+    copy = browser_copy(path)
+    assert copy == path + ".browser.webm" and codec(copy) == "VP80" and browser_plays(copy, "VP80")
+    capture = VideoCapture(copy)
+    width, height = capture.get(cv2.CAP_PROP_FRAME_WIDTH), capture.get(cv2.CAP_PROP_FRAME_HEIGHT)
+    fps, frames = capture.get(cv2.CAP_PROP_FPS), capture.get(cv2.CAP_PROP_FRAME_COUNT)
+    capture.release()
+    assert width * height <= limits.BROWSER_COPY_MAX_PIXELS and width / height == pytest.approx(16 / 9, abs=0.02)
+    assert fps == pytest.approx(15) and frames == pytest.approx(45, abs=1)  # every 4th of 60 fps, 3 s
+    assert [name for name in os.listdir(tmp_path) if name.startswith(".")] == []  # nothing half-written left
+
+
+def test_the_copy_stops_at_its_seconds_and_decoded_pixels(tmp_path, monkeypatch):
+    from app.media.playback import browser_copy
+
+    path = make_video(tmp_path, "long.mp4", seconds=8, fps=30)
+
+    def copied_frames() -> int:
+        capture = VideoCapture(browser_copy(path))
+        try:
+            return int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+        finally:
+            capture.release()
+            os.remove(path + ".browser.webm")
+
+    monkeypatch.setattr(limits, "BROWSER_COPY_MAX_SECONDS", 2)
+    assert copied_frames() == pytest.approx(2 * 15, abs=1)
+    monkeypatch.setattr(limits, "BROWSER_COPY_MAX_DECODED_PIXELS", 320 * 240 * 10)  # ten frames' decoding
+    assert copied_frames() <= 5  # every second one of those ten
+
+
+def test_the_model_reads_the_original_of_a_browser_copy(tmp_path):
+    from app.chat import history_to_messages, user_content
+    from app.media.files import browser_copy_path, source_of
+
+    original = make_video(tmp_path, "clip.mp4", seconds=1)
+    copy = browser_copy_path(original)
+    assert source_of(copy) == original and source_of(original) == original
+    history = [{"role": "user", "content": {"path": copy}}, {"role": "user", "content": "What happens?"}]
+    assert history_to_messages(history)[0]["content"][0] == {"type": "video", "path": original}
+    assert user_content("What happens?", [copy])[0] == {"type": "video", "path": original}
+    # A file that only looks like a copy (an upload so named, with no original beside it) is itself.
+    lone = str(tmp_path / "holiday.mp4.browser.webm")
+    open(lone, "wb").close()
+    assert source_of(lone) == lone

@@ -30,7 +30,7 @@ from app.engine.settings import GenerationSettings
 from app.engine.stop_signal import StopSignal
 from app.errors import Busy, UserError
 from app.media.budget import SlicePlan, plan_slices
-from app.media.images import load_image
+from app.media.images import image_size
 from app.zerogpu import zero_gpu_enabled
 
 log = logging.getLogger(__name__)
@@ -265,10 +265,10 @@ class ModelManager:
     # Serving ---------------------------------------------------------------------------------------
 
     def plan_images(self, paths: list[str], settings: GenerationSettings) -> SlicePlan:
-        """What these images would cost together under `settings`, without running the model."""
+        """How these images would be cut together under `settings` and what each would cost, without running
+        the model or decoding their pixels (the UI shows it before a question is sent)."""
         self._wait_until_ready()
-        images = [load_image(path) for path in paths]
-        return plan_slices(self.processor.image_processor, [(image.height, image.width) for image in images],
+        return plan_slices(self.processor.image_processor, [image_size(path) for path in paths],
                            settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:

@@ -1,5 +1,5 @@
-"""Which uploads are images and which are videos, decided by extension before anything is decoded; and
-that an upload is a local file at all."""
+"""Which uploads are images and which are videos, decided by extension before anything is decoded; that an
+upload is a local file at all; and which file a video's browser copy (app.media.playback) was made from."""
 
 import os
 
@@ -39,3 +39,21 @@ def shown_name(path) -> str:
     """A file's name for a message: its last part, cut short."""
     name = os.path.basename(str(path).rstrip("/")) or str(path)
     return name if len(name) <= 80 else name[:77] + "..."
+
+
+# A video's copy for the browser's player lies beside it, named after it (app.media.playback).
+BROWSER_COPY_SUFFIX = ".browser.webm"
+
+
+def browser_copy_path(path: str) -> str:
+    return path + BROWSER_COPY_SUFFIX
+
+
+def is_browser_copy(path: str) -> bool:
+    return ("\0" not in path and path.endswith(BROWSER_COPY_SUFFIX)
+            and os.path.isfile(path[: -len(BROWSER_COPY_SUFFIX)]))
+
+
+def source_of(path: str) -> str:
+    """The file the model reads for `path`: the original video for its browser copy, else `path` itself."""
+    return path[: -len(BROWSER_COPY_SUFFIX)] if is_browser_copy(path) else path

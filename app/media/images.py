@@ -5,7 +5,7 @@ import os
 import warnings
 from contextlib import contextmanager
 
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from app import limits
 from app.messages import MSG_IMAGE_TOO_LARGE, MSG_IMAGE_TOO_THIN, MSG_UNREADABLE_IMAGE
@@ -24,6 +24,27 @@ def load_image(path: str) -> Image.Image:
         image.load()
         upright = ImageOps.exif_transpose(image)
         return upright.convert("RGB")
+
+
+# EXIF orientations that turn the image a quarter (transposed, rotated 90 or 270 degrees, transversed).
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def image_size(path: str) -> tuple[int, int]:
+    """(height, width) of the image upright, as load_image gives it, from its header alone."""
+    with _opened(path) as image:
+        turned = image.getexif().get(ExifTags.Base.Orientation) in _QUARTER_TURNS
+        return (image.width, image.height) if turned else (image.height, image.width)
+
+
+def load_thumbnail(path: str, longest_side: int) -> Image.Image:
+    """The image upright in RGB, shrunk to at most `longest_side` pixels a side (JPEGs decoded at a fraction
+    of their size: a preview costs the web process little)."""
+    with _opened(path) as image:
+        image.draft("RGB", (longest_side, longest_side))
+        upright = ImageOps.exif_transpose(image).convert("RGB")
+    upright.thumbnail((longest_side, longest_side))
+    return upright
 
 
 def check_image(path: str) -> None:

@@ -89,11 +89,17 @@ def _read_by_seeking(capture, wanted: list[int]):
             yield index, frame
 
 
-def _checked(frames, name: str, planned: int) -> dict[int, np.ndarray]:
-    """{index: frame}, each frame held to the size limits as it comes: a container may understate its size."""
+def _checked(frames, name: str, planned: int, longest_side: int | None) -> dict[int, np.ndarray]:
+    """{index: frame}, each frame held to the size limits as it comes (a container may understate its
+    size), then shrunk to at most `longest_side` pixels a side if that is set."""
     decoded = {}
     for index, frame in frames:
-        _check_frame_size(name, frame.shape[1], frame.shape[0], planned)
+        height, width = frame.shape[:2]
+        _check_frame_size(name, width, height, planned)
+        if longest_side is not None and max(height, width) > longest_side:
+            scale = longest_side / max(height, width)
+            frame = cv2.resize(frame, (max(1, round(width * scale)), max(1, round(height * scale))),
+                               interpolation=cv2.INTER_AREA)
         decoded[index] = frame
     return decoded
 
@@ -141,24 +147,26 @@ def _count_frames(path: str, name: str, native_fps: float) -> tuple[int, float]:
 
 
 def sample_video(path: str, sample_fps: float = limits.DEFAULT_VIDEO_FPS,
-                 max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES) -> SampledVideo:
+                 max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES, longest_side: int | None = None) -> SampledVideo:
     """Frames at sample_fps, at most max_frames, from what the file really holds. A long video is read by
     seeking to each frame; when that finds fewer than planned (a header that overstates the frame count, or
-    seeking that misses in a variable-frame-rate file), the frames are counted and read in order instead."""
+    seeking that misses in a variable-frame-rate file), the frames are counted and read in order instead.
+    With `longest_side` each frame is shrunk to that as it is decoded (the UI's strip of the frames the
+    model is shown: the same frames, by the same reading)."""
     name = os.path.basename(path)
     with _opened(path) as capture:
         total_frames, native_fps, width, height = _probe(capture, name)
         wanted = sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames)
         _check_frame_size(name, width, height, len(wanted))
         read = _read_sequentially if len(wanted) >= _SEQUENTIAL_READ_RATIO * total_frames else _read_by_seeking
-        decoded = _checked(read(capture, wanted), name, len(wanted))
+        decoded = _checked(read(capture, wanted), name, len(wanted), longest_side)
     notices = ()
     if len(decoded) < len(wanted):
         planned = len(wanted)
         total_frames, native_fps = _count_frames(path, name, native_fps)
         wanted = sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames)
         with _opened(path) as capture:
-            decoded = _checked(_read_sequentially(capture, wanted), name, len(wanted))
+            decoded = _checked(_read_sequentially(capture, wanted), name, len(wanted), longest_side)
         if len(decoded) < planned:
             notices = (MSG_VIDEO_FRAMES_MISSING.format(read=len(decoded), planned=planned, name=name),)
     if not decoded:

@@ -1,10 +1,9 @@
 """Plain functions behind every UI event and the /ask API, testable without a server.
 
-They reach the model only through the manager's small interface: `default_settings()`, `stream()`
-and `plan_images()`.
+They reach the model only through the manager's small interface: `default_settings()` and `stream()`
+(app.ui.previews has the previews before a question is sent, and `plan_images()`).
 """
 
-import os
 import time
 from contextlib import closing
 
@@ -26,7 +25,7 @@ from app.engine.settings import parse_flag
 from app.errors import UserError
 from app.media.files import media_kind
 from app.media.images import check_image
-from app.media.video import probe_video, sampled_frame_indices
+from app.media.video import probe_video
 from app.ui.load_charts import chart_values
 from app.ui.refusals import log_refusal, refusal
 
@@ -42,7 +41,7 @@ def settings_dict(values) -> dict:
     return dict(zip(SETTING_KEYS, values))
 
 
-def _path(file) -> str:
+def upload_path(file) -> str:
     if isinstance(file, str):
         return file
     if isinstance(file, dict):
@@ -193,7 +192,7 @@ class Handlers:
         """Put the user's text and attachments into the history; bad files are refused here, before the model."""
         message = message or {}
         text = message.get("text") or ""
-        paths = [_path(file) for file in message.get("files") or []]
+        paths = [upload_path(file) for file in message.get("files") or []]
         if camera_image:
             paths.append(camera_image)
         if not text.strip() and not paths:
@@ -231,26 +230,13 @@ class Handlers:
 
     # Multi-image tab --------------------------------------------------------------------------------
 
-    def image_costs(self, gallery: list | None, settings: dict | None = None) -> str:
-        paths = [_path(item) for item in gallery or []]
-        if not paths:
-            return "Add two or more images, then ask about them together."
-        try:
-            plan = self.manager.plan_images(paths, self.settings_from(settings or {}))
-        except UserError as error:
-            return f"⚠️ {error}"
-        rows = [f"| {i + 1} | {os.path.basename(path)} | {tokens:,} |" for i, (path, tokens) in enumerate(zip(paths, plan.tokens_per_image))]
-        table = "\n".join(["| # | image | visual tokens |", "|---|---|---|", *rows])
-        summary = f"**{plan.total_tokens:,}** of {plan.budget:,} visual tokens, max {plan.max_slice_nums} slices per image."
-        return "\n\n".join(filter(None, [table, summary, plan.notice()]))
-
     @staticmethod
     def selected_index(event: gr.SelectData) -> int:
         return event.index
 
     @staticmethod
     def move_image(gallery: list | None, index: int | None, offset: int):
-        paths = [_path(item) for item in gallery or []]
+        paths = [upload_path(item) for item in gallery or []]
         if index is None or not 0 <= index < len(paths):
             return paths, index
         target = min(max(index + offset, 0), len(paths) - 1)
@@ -259,31 +245,19 @@ class Handlers:
 
     @staticmethod
     def remove_image(gallery: list | None, index: int | None):
-        paths = [_path(item) for item in gallery or []]
+        paths = [upload_path(item) for item in gallery or []]
         if index is not None and 0 <= index < len(paths):
             paths.pop(index)
         return paths, None
 
     def add_multi_image_question(self, question: str, gallery: list | None, history: list):
         """The first question carries every gallery image, in gallery order; follow-ups are text only."""
-        paths = [_path(item) for item in gallery or []]
+        paths = [upload_path(item) for item in gallery or []]
         if not paths:
             raise refusal(MSG_MULTI_IMAGE_NEEDS_IMAGES)
         return self._add_question(question, paths, history)
 
     # Video tab --------------------------------------------------------------------------------------
-
-    @staticmethod
-    def video_summary(video: str | None, video_fps: float, video_max_frames: int) -> str:
-        if not video:
-            return "Upload a video (mp4, webm, mov, avi or mkv), then ask about it."
-        try:
-            total_frames, native_fps = probe_video(video)
-        except UserError as error:
-            return f"⚠️ {error}"
-        frames = len(sampled_frame_indices(total_frames, native_fps, video_fps, int(video_max_frames)))
-        return (f"{total_frames / native_fps:.1f} s at {native_fps:.1f} fps ({total_frames:,} frames): "
-                f"**{frames}** frames will be sampled.")
 
     def add_video_question(self, question: str, video: str | None, history: list):
         if not video:
@@ -335,7 +309,7 @@ class Handlers:
         started_at = time.time()
         overrides = dict(settings or {})
         text = text or ""
-        paths = [_path(file) for file in files or []]
+        paths = [upload_path(file) for file in files or []]
         try:
             follow_up = parse_flag("follow_up", overrides.pop("follow_up", False))
             generation_settings = self.settings_from(overrides)

@@ -6,20 +6,28 @@ from types import SimpleNamespace
 import gradio as gr
 
 from app import limits, tuning
-from app.messages import MSG_RANDOM_WEIGHTS
+from app.messages import MSG_MULTI_IMAGE_HINT, MSG_RANDOM_WEIGHTS, MSG_VIDEO_HINT
 from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import handler_slots
+from app.media.files import BROWSER_COPY_SUFFIX
 from app.model.checkpoint.presets import PRESETS
 from app.ui.cancellable import cancellable
 from app.ui.file_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, error_message, model_header, settings_dict
 from app.ui.load_charts import load_charts
+from app.ui.previews import Previews, ShownVideo
 from app.zerogpu import on_zero_gpu
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
 EXAMPLES = os.path.join(ASSETS, "examples")
 CSS_PATH = os.path.join(ASSETS, "style.css")
 MODEL_EVENTS = "model"  # one concurrency group: every event that generates waits for the same model
+SLICING_KEYS = ("max_slice_nums", "downsample_mode", "visual_token_budget")  # the settings an image's cut depends on
+# Checked with the real processors (tests/test_budget.py): 4.6's 14-px patches make a 448x448 view 64 tokens in
+# "16x", 4.7's 16-px ones 49; a slice's count follows its shape (a 1920x1080 image: 66 + 2x4 x 64 = 578).
+SLICES_INFO = ("An image is seen whole (its source view, about 448×448) and, if larger, in up to this many slices "
+               "of about 448×448, in a grid that follows its shape. Each view is about 64 tokens in 16x (49 with "
+               "MiniCPM-V 4.7): 1344×1344 at 9 slices is 64 + 3×3 × 64 = 640. Attached images show their cut.")
 
 
 def _settings_sidebar(defaults, thinking_by_default: bool) -> dict:
@@ -41,10 +49,9 @@ def _settings_sidebar(defaults, thinking_by_default: bool) -> dict:
                                f"small text and large photos (more visual tokens: slower).")
         components.update({
             "max_slice_nums": gr.Slider(1, limits.MAX_SLICE_NUMS, value=defaults.max_slice_nums, step=1,
-                                        label="Max slices per image",
-                                        info="A 1344x1344 image costs 64 tokens for its source view plus 64 per slice."),
+                                        label="Max slices per image", info=SLICES_INFO),
             "downsample_mode": gr.Radio(list(limits.DOWNSAMPLE_MODES), value=defaults.downsample_mode, label="Downsampling",
-                                        info="4x keeps 4 times more tokens per slice: finer detail, slower."),
+                                        info="4x keeps 4 times more tokens per view: finer detail, slower."),
             "visual_token_budget": gr.Slider(64, limits.MAX_VISUAL_TOKEN_BUDGET, value=defaults.visual_token_budget, step=64,
                                              label="Visual token budget per request",
                                              info="Shared by all images; slices are lowered to fit."),
@@ -133,7 +140,7 @@ def _stop_cancels(stop_target, answer, chatbot) -> None:
 
 def build_demo(manager) -> gr.Blocks:
     """The whole page: the header and side panels, one builder per tab, then each tab's events."""
-    handlers = Handlers(manager)
+    handlers, previews = Handlers(manager), Previews(manager)
     defaults = manager.default_settings()
     # Every generating request reaches the engine at once (its batch and wait line, and far more beyond:
     # handler_slots), so that the engine's line is the only one: it orders them, reports their places,
@@ -144,13 +151,15 @@ def build_demo(manager) -> gr.Blocks:
         header, sidebar = _header_and_panels(manager, handlers, defaults)
         with gr.Tabs():
             chat = _chat_tab()
-            multi = _multi_image_tab(handlers)
-            video = _video_tab(handlers, defaults)
+            multi = _multi_image_tab()
+            video = _video_tab(defaults)
         api = _api_components()
         settings = [{**sidebar, **video.settings}[key] for key in SETTING_KEYS]
-        wiring = SimpleNamespace(blocks=demo, handlers=handlers, settings=settings, concurrency=concurrency)
+        wiring = SimpleNamespace(blocks=demo, handlers=handlers, previews=previews, settings=settings,
+                                 concurrency=concurrency, slicing=[sidebar[key] for key in SLICING_KEYS],
+                                 previewing={"concurrency_id": "image-previews", "concurrency_limit": tuning.PREVIEWS_AT_ONCE})
         _wire_chat(wiring, chat)
-        _wire_multi_image(wiring, multi, sidebar)
+        _wire_multi_image(wiring, multi)
         _wire_video(wiring, video)
         demo.load(lambda: model_header(manager.info()), None, [header], api_visibility="private")
         _wire_api(wiring, api)
@@ -196,6 +205,8 @@ def _chat_tab() -> SimpleNamespace:
             placeholder="Message MiniCPM-V… (attach or paste images)", stop_btn=True, autofocus=True,
             show_label=False, elem_id="chat-input",
         )
+        pictures, costs = _image_previews("chat")
+        attached = gr.Textbox(visible="hidden")  # what the previews show (ATTACHMENTS_KEY)
         with gr.Accordion("Camera", open=False):
             camera = gr.Image(sources=["webcam", "clipboard"], type="filepath", label="Photo for the next message")
         gr.Examples(
@@ -203,10 +214,17 @@ def _chat_tab() -> SimpleNamespace:
                       [{"text": "Read the text in this image.", "files": [os.path.join(EXAMPLES, "sign.jpg")]}]],
             inputs=[box], label="Examples",
         )
-    return SimpleNamespace(chat=chat, box=box, camera=camera)
+    return SimpleNamespace(chat=chat, box=box, camera=camera, pictures=pictures, costs=costs, attached=attached)
 
 
-def _multi_image_tab(handlers: Handlers) -> SimpleNamespace:
+def _image_previews(tab: str, hint: str | None = None) -> tuple[gr.Gallery, gr.Markdown]:
+    """Each image as the model will see it (its source view and slices), and what the images cost (or `hint`)."""
+    pictures = gr.Gallery(label="What the model will see", visible=False, columns=3, height="auto", object_fit="contain",
+                          interactive=False, buttons=["fullscreen"], elem_id=f"{tab}-previews", elem_classes="seen-by-model")
+    return pictures, gr.Markdown(hint, visible=hint is not None, elem_id=f"{tab}-costs")
+
+
+def _multi_image_tab() -> SimpleNamespace:
     with gr.Tab("Multi-image", id="multi"):
         gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
                              columns=4, height=260, label="Images, in the order the model sees them")
@@ -215,7 +233,7 @@ def _multi_image_tab(handlers: Handlers) -> SimpleNamespace:
             earlier = gr.Button("◀ Move earlier", size="sm")
             later = gr.Button("Move later ▶", size="sm")
             remove = gr.Button("✕ Remove", size="sm")
-        costs = gr.Markdown(handlers.image_costs(None))
+        pictures, costs = _image_previews("multi", MSG_MULTI_IMAGE_HINT)
         chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",
                         "multi-chat")
         box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True, stop_btn=True,
@@ -226,20 +244,26 @@ def _multi_image_tab(handlers: Handlers) -> SimpleNamespace:
             inputs=[gallery, box], label="Examples",
         )
     return SimpleNamespace(gallery=gallery, selected=selected, earlier=earlier, later=later, remove=remove,
-                           costs=costs, chat=chat, box=box)
+                           pictures=pictures, costs=costs, chat=chat, box=box)
 
 
-def _video_tab(handlers: Handlers, defaults) -> SimpleNamespace:
+def _video_tab(defaults) -> SimpleNamespace:
     with gr.Tab("Video", id="video"):
-        video = gr.Video(sources=["upload"], label="Video", height=320)
+        video = gr.Video(sources=["upload"], label="Video", height=320, elem_id="video-player")
+        note = gr.Markdown(visible=False, elem_id="video-player-note")
         settings = _video_controls(defaults)
-        info = gr.Markdown(handlers.video_summary(None, defaults.video_fps, defaults.video_max_frames))
+        info = gr.Markdown(MSG_VIDEO_HINT, elem_id="video-sampling")
+        shown = gr.State(ShownVideo())
+        frames = gr.Gallery(label="The frames the model will see", visible=False, columns=8, height="auto",
+                            object_fit="contain", interactive=False, buttons=["fullscreen"], elem_id="video-frames",
+                            elem_classes="seen-by-model")
         chat = _chatbot("Conversation about the video", "Ask what happens in the video.", "video-chat")
         box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True, stop_btn=True,
                          show_label=False, elem_id="video-input")
         gr.Examples(examples=[[os.path.join(EXAMPLES, "ball.webm"), "Describe what happens in this video."]],
                     inputs=[video, box], label="Examples")
-    return SimpleNamespace(video=video, settings=settings, info=info, chat=chat, box=box)
+    return SimpleNamespace(video=video, note=note, settings=settings, info=info, frames=frames, chat=chat, box=box,
+                           shown=shown)
 
 
 def _api_components() -> SimpleNamespace:
@@ -256,6 +280,11 @@ def _api_components() -> SimpleNamespace:
                            conversation=conversation)
 
 
+# What the Chat tab's previews show, as one string made in the page: the attachments and the slicing settings.
+ATTACHMENTS_KEY = ("(message, camera, ...slicing) => "
+                   "JSON.stringify([(message?.files ?? []).map(file => file.path), camera?.path ?? null, slicing])")
+
+
 def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     handlers, chat = wiring.handlers, tab.chat
     _wire_question(wiring.blocks, tab.box, handlers.add_chat_message, [tab.box, tab.camera, chat],
@@ -265,6 +294,15 @@ def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     chat.undo(handlers.undo, [chat], [chat, tab.box], api_visibility="undocumented")
     chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
 
+    def chat_images(message, camera, history, *values):
+        return wiring.previews.chat_images(message, camera, history, settings_dict(values))
+
+    # The box changes at every key typed: the page itself tells when what the previews show has changed.
+    for trigger in (tab.box, tab.camera, *wiring.slicing):
+        trigger.change(None, [tab.box, tab.camera, *wiring.slicing], [tab.attached], js=ATTACHMENTS_KEY)
+    tab.attached.change(chat_images, [tab.box, tab.camera, chat, *wiring.settings], [tab.pictures, tab.costs],
+                        api_visibility="private", show_progress="hidden", **wiring.previewing)
+
 
 def _gallery_at(paths: list[str], index: int | None):
     """The gallery holding `paths` with image `index` highlighted and previewed, and the index kept: the
@@ -272,15 +310,17 @@ def _gallery_at(paths: list[str], index: int | None):
     return gr.Gallery(value=paths, selected_index=index), index
 
 
-def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace, sidebar: dict) -> None:
+def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     """A changed set of images starts a new conversation."""
     handlers = wiring.handlers
     cost_inputs = [tab.gallery, *wiring.settings]
 
-    def image_costs(gallery, *values):
-        return handlers.image_costs(gallery, settings_dict(values))
+    def gallery_images(gallery, *values):
+        return wiring.previews.gallery_images(gallery, settings_dict(values))
 
-    tab.gallery.change(image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
+    for trigger in (tab.gallery, *wiring.slicing):
+        trigger.change(gallery_images, cost_inputs, [tab.pictures, tab.costs], api_visibility="undocumented",
+                       **wiring.previewing)
     tab.gallery.upload(lambda: [], None, [tab.chat], api_visibility="undocumented")
     tab.gallery.select(Handlers.selected_index, None, [tab.selected], api_visibility="undocumented")
     for button, offset in ((tab.earlier, -1), (tab.later, 1)):
@@ -290,20 +330,33 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace, sidebar: di
     tab.remove.click(lambda g, i: _gallery_at(*Handlers.remove_image(g, i)), [tab.gallery, tab.selected],
                      [tab.gallery, tab.selected],
                      api_visibility="undocumented").then(lambda: [], None, [tab.chat], api_visibility="undocumented")
-    for control in (sidebar["max_slice_nums"], sidebar["downsample_mode"], sidebar["visual_token_budget"]):
-        control.change(image_costs, cost_inputs, [tab.costs], api_visibility="undocumented")
     _wire_question(wiring.blocks, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
                    [tab.chat, tab.box], handlers.respond, wiring.settings, wiring.concurrency)
 
 
+# Gradio's player says "Video not playable" of a video the browser cannot play; once its copy is in the player,
+# that message is about a file no longer shown.
+DISMISS_UNPLAYABLE_ERROR = f"""(video) => {{
+    if (!video?.path?.endsWith({BROWSER_COPY_SUFFIX!r})) return;
+    for (const toast of document.querySelectorAll("[data-testid=toast-body]"))
+        if (toast.textContent.includes("Video not playable")) toast.querySelector("[data-testid=toast-close]")?.click();
+}}"""
+
+
 def _wire_video(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
-    """A new video starts a new conversation."""
-    handlers = wiring.handlers
-    summary_inputs = [tab.video, tab.settings["video_fps"], tab.settings["video_max_frames"]]
-    tab.video.change(handlers.video_summary, summary_inputs, [tab.info], api_visibility="undocumented").then(
-        lambda: [], None, [tab.chat], api_visibility="undocumented")
+    """A new video starts a new conversation and shows the frames the model will see; one the browser cannot
+    play is then replaced in the player by a copy it can (the model still reads the original: app.chat)."""
+    handlers, previews = wiring.handlers, wiring.previews
+    sampling = [tab.video, tab.settings["video_fps"], tab.settings["video_max_frames"]]
+    # A group of its own: a video's browser copy takes seconds, and the images' previews need not wait for it.
+    previewing = {"concurrency_id": "video-previews", "concurrency_limit": tuning.PREVIEWS_AT_ONCE}
+    # First, and not queued: a copy made meanwhile for the video this one replaces must see it at once.
+    tab.video.change(previews.video_put, [tab.video, tab.shown], None, queue=False, api_visibility="private")
+    tab.video.change(previews.video_chosen, [*sampling, tab.shown], [tab.info, tab.frames, tab.chat, tab.note, tab.video],
+                     api_visibility="undocumented", trigger_mode="multiple", **previewing)
+    tab.video.change(None, [tab.video], None, js=DISMISS_UNPLAYABLE_ERROR)
     for control in (tab.settings["video_fps"], tab.settings["video_max_frames"]):
-        control.change(handlers.video_summary, summary_inputs, [tab.info], api_visibility="undocumented")
+        control.change(previews.video_frames, sampling, [tab.info, tab.frames], api_visibility="undocumented", **previewing)
     _wire_question(wiring.blocks, tab.box, handlers.add_video_question, [tab.box, tab.video, tab.chat],
                    [tab.chat, tab.box], handlers.respond, wiring.settings, wiring.concurrency)
 
