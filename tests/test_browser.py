@@ -292,15 +292,15 @@ def test_the_multi_image_highlight_follows_the_image_it_moves(browser, server_ur
     paths = [make_image(tmp_path, name, (300, 200), colour)
              for name, colour in zip(names, [(200, 30, 30), (30, 200, 30), (30, 30, 200)])]
     page.get_by_role("tab", name="Multi-image").click()
-    page.locator("input[type=file]").nth(1).set_input_files(paths)
+    page.locator("#multi-gallery input[type=file]").set_input_files(paths)
     # The grid's thumbnails (under the preview too), and the preview's strip, whose highlight is the selection.
-    grid = page.locator(".thumbnail-item.thumbnail-lg img")
+    grid = page.locator("#multi-gallery .thumbnail-item.thumbnail-lg img")
 
     def shown() -> list[str]:
         return [src.rsplit("/", 1)[-1] for src in grid.evaluate_all("images => images.map(image => image.src)")]
 
     def highlighted() -> list[str]:
-        return [src.rsplit("/", 1)[-1] for src in page.locator(".thumbnail-item.thumbnail-small.selected img").evaluate_all(
+        return [src.rsplit("/", 1)[-1] for src in page.locator("#multi-gallery .thumbnail-item.thumbnail-small.selected img").evaluate_all(
             "images => images.map(image => image.src)")]
 
     assert wait_for(lambda: shown() == names, 20), shown()
@@ -383,7 +383,8 @@ def test_a_video_chromium_cannot_play_shows_its_frames_and_plays_a_copy(browser,
         page.evaluate("document.querySelector('#video-player video').play()")
         assert wait_for(lambda: page.evaluate(PLAYER)[2] > 0, 30), "the copy did not play"
         assert wait_for(lambda: page.get_by_text("not playable").count() == 0, 15)
-        assert "copy made for the browser" in page.locator("#video-player-note").inner_text()
+        note = page.locator("#video-player-note")
+        assert wait_for(lambda: "copy made for the browser" in note.inner_text(), 30), note.inner_text()
         page.screenshot(path=os.path.join(ARTIFACTS, f"video-copy-{width}.png"), full_page=True)
         page.locator("#video-input textarea").fill("What happens?")
         page.locator("#video-input textarea").press("Enter")

@@ -227,7 +227,8 @@ def _image_previews(tab: str, hint: str | None = None) -> tuple[gr.Gallery, gr.M
 def _multi_image_tab() -> SimpleNamespace:
     with gr.Tab("Multi-image", id="multi"):
         gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
-                             columns=4, height=260, label="Images, in the order the model sees them")
+                             columns=4, height=260, label="Images, in the order the model sees them",
+                             elem_id="multi-gallery")
         selected = gr.State(None)
         with gr.Row():
             earlier = gr.Button("◀ Move earlier", size="sm")
