@@ -88,14 +88,56 @@ def user_content(text: str, paths: list[str]) -> list[dict]:
     return parts
 
 
+ERROR_TITLE = "⚠️ "  # starts the title of error_message, and of nothing else in a chat
+
+
+def error_message(text: str) -> dict:
+    """A failed turn's reply: the reason, shown where the answer would have been."""
+    return {"role": "assistant", "content": text, "metadata": {"title": ERROR_TITLE + text, "status": "done"}}
+
+
+def is_error(entry: dict) -> bool:
+    return (entry.get("metadata") or {}).get("title", "").startswith(ERROR_TITLE)
+
+
+def ends_in_error(history: list) -> bool:
+    """Whether the last turn failed."""
+    return bool(history) and is_error(history[-1])
+
+
+def _answered_by_an_error(history: list[dict]) -> set[int]:
+    """The indexes of the user messages whose turn failed: they stay on the page, under their error, and
+    never reach the model (its next question is asked as if they had not been sent)."""
+    failed, turn = set(), []
+    for index, entry in enumerate(history):
+        if entry["role"] == "user":
+            turn.append(index)
+        elif is_error(entry):
+            failed.update(turn)
+            turn = []
+        else:  # answered (its reasoning alone counts: Gradio hands it over as a message of its own)
+            turn = []
+    return failed
+
+
+def box_value(turn: list[dict]) -> dict:
+    """A turn's user messages as the chat box holds them: its text, and its files (a video's original)."""
+    parts = [part for entry in turn for part in _parts_of(entry["content"])]
+    texts = [text for text in map(_text_of, parts) if text is not None]
+    files = [source_of(path) for path in map(_file_path, parts) if path is not None]
+    return {"text": "\n".join(texts), "files": files}
+
+
 def history_to_messages(history: list[dict]) -> list[dict]:
     """Gradio messages (text and file parts, several per turn) to model messages, one per turn.
 
-    Messages carrying metadata (stats, notices) are for the reader only and are skipped.
+    Messages carrying metadata (stats, notices, errors) are for the reader only and are skipped, and so are
+    the turns an error answered.
     """
     messages: list[dict] = []
-    for entry in history:
-        if entry.get("metadata"):
+    failed = _answered_by_an_error(history)
+    for index, entry in enumerate(history):
+        if entry.get("metadata") or index in failed:
             continue
         role = entry["role"]
         parts = []

@@ -3,6 +3,7 @@
 MSG_EMPTY_REQUEST = "Type a question or attach an image or video first."
 MSG_EMPTY_CHAT = "Type a question or attach an image first."  # the Chat tab takes images (videos: the Video tab)
 MSG_EMPTY_QUESTION = "Type a question first."
+MSG_STOPPED = "■ Stopped"  # marks a stopped reply (its stats line starts with it)
 MSG_UNSUPPORTED_FILE = "“{name}” is not a supported file. Images: {images}. Videos: {videos}."
 MSG_UPLOAD_GONE = "“{name}” is no longer on the server (uploads are deleted after a while): please attach it again."
 MSG_NOT_AN_UPLOAD = "“{name}” was not uploaded to this app: send files themselves, not links or server paths."

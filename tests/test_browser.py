@@ -80,21 +80,47 @@ def test_chat_with_an_image_streams_a_reply(page, red_image):
     assert page.locator("img[src*='red']").count() >= 1  # the attached image is shown in the chat
 
 
-def test_a_question_whose_image_fails_stays_in_its_box(browser, server_url, tmp_path):
-    """A PNG cut short passes the attachment check (its header is whole) and fails in the engine: the reply
-    says so, and the typed question and its attachment are back in the box, ready to fix and send again."""
+def test_a_question_whose_image_fails_stays_in_its_box_and_retries(browser, server_url, tmp_path):
+    """A PNG cut short passes the attachment check (its header is whole) and fails in the engine: the turn
+    stays in the chat with the reason as its reply, and the typed question and its attachment are back in
+    the box, ready to fix and send again. Retry sends the turn again (the page once threw "Cannot read
+    properties of undefined (reading 'role')" for an error with no question before it)."""
     cut = truncated_png(tmp_path, "cut.png")
     page = open_page(browser, server_url)
+    thrown = []
+    page.on("pageerror", lambda error: thrown.append(str(error)))
     try:
         page.locator("#chat-input input[type=file]").set_input_files(cut)
         page.locator("#chat-input textarea").fill("What does this page say?")
         page.wait_for_timeout(500)  # the upload finishes before sending
         page.locator("#chat-input textarea").press("Enter")
-        page.get_by_text("could not be read as an image").first.wait_for(timeout=30_000)
+        failed = page.locator("#chat").get_by_text("could not be read as an image")
+        failed.first.wait_for(timeout=30_000)
         assert wait_for(lambda: page.locator("#chat-input textarea").input_value() == "What does this page say?", 10)
         assert page.locator("#chat-input [aria-label='File thumbnail'] img[src$='/cut.png']").count() == 1
-        assert "What does this page say?" not in chat_text(page)  # the failed turn left the conversation
+        assert "What does this page say?" in chat_text(page)  # the failed turn, above its reason
+        assert page.locator("[data-testid=toast-body]").count() == 0  # said once, in the chat
         page.screenshot(path=os.path.join(ARTIFACTS, "failed-question.png"), full_page=True)
+        with page.expect_response(lambda response: "/gradio_api/queue/join" in response.url):
+            page.locator("#chat button[aria-label='Retry']").click()
+        assert wait_for(lambda: page.locator("#chat-input .submit-button").count() == 1, 30)
+        page.wait_for_timeout(500)
+        assert failed.count() == 1 and chat_text(page).count("What does this page say?") == 1 and not thrown
+    finally:
+        page.close()
+
+
+def test_an_empty_message_is_told_in_its_box(browser, server_url):
+    page = open_page(browser, server_url)
+    try:
+        page.locator("#chat-input textarea").press("Enter")
+        box = page.locator("#chat-input textarea")
+        assert wait_for(lambda: box.get_attribute("placeholder") == "⚠️ Type a question or attach an image first.", 10)
+        assert page.locator("#chat .message").count() == 0 and page.locator("[data-testid=toast-body]").count() == 0
+        box.fill("Hello")
+        box.press("Enter")
+        page.get_by_text(STATS_LINE).first.wait_for(timeout=60_000)
+        assert box.get_attribute("placeholder") == "Message MiniCPM-V… (attach or paste images)"  # its own again
     finally:
         page.close()
 
@@ -131,17 +157,22 @@ def test_stop_button_halts_generation(page, manager):
     # The engine is shared with earlier tests: a request of theirs still leaving would pass for this one.
     assert wait_for(lambda: manager.active_generations == 0, 30)
     question = "Tell me a very long story."
+    send, stop = page.locator("#chat-input .submit-button"), page.locator("#chat-input .stop-button")
+    assert (send.count(), stop.count()) == (1, 0)  # idle: Send, no Stop
     page.locator("#chat-input textarea").fill(question)
     page.locator("#chat-input textarea").press("Enter")
     assert wait_for(lambda: manager.active_generations == 1, 30), "the reply never reached the engine"
     # Part of the reply has streamed to the page (however slow the machine).
     assert wait_for(lambda: chat_text(page).split(question)[-1].strip(), 60), "no part of the reply reached the page"
     assert manager.active_generations == 1
-    page.locator("#chat-input .stop-button").click()
+    assert (send.count(), stop.count()) == (0, 1)  # streaming: Stop in place of Send
+    stop.click()
     # The engine dropped it, not only the page's loop.
     assert wait_for(lambda: manager.active_generations == 0, 30), "the stopped reply stayed in the batch"
-    page.wait_for_timeout(1000)
-    assert page.get_by_text(STATS_LINE).count() == stats_lines  # a stopped reply never finished
+    stopped = page.locator("#chat").get_by_text(re.compile(r"^■ Stopped · .* new tokens"))
+    stopped.wait_for(timeout=30_000)  # marked, with its stats so far
+    assert wait_for(lambda: (send.count(), stop.count()) == (1, 0), 10)
+    assert page.get_by_text(STATS_LINE).count() == stats_lines + 1
     # Only the text after the question: an earlier reply's finished reasoning block may fold meanwhile.
     stopped_reply = chat_text(page).split(question)[-1]
     assert stopped_reply.strip()  # what had streamed stays on the page
@@ -192,6 +223,7 @@ def test_stopping_a_reply_while_it_reasons_leaves_no_spinner(browser, server_url
     assert reasoning.count() >= 1  # what it had reasoned stays on the page
     # Stopped, so not "still thinking": the spinner goes once the page has the stop (a wait, not a sleep).
     assert wait_for(lambda: reasoning.locator(".loading-spinner").count() == 0, 15), "the spinner stayed after Stop"
+    assert page.locator("#chat").get_by_text(re.compile(r"^■ Stopped")).count() == 1  # ended by its own handler
     page.close()
 
 

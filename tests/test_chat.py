@@ -2,7 +2,7 @@
 
 import pytest
 
-from app.chat import close_reasoning, history_to_messages, reply_for_display, strip_reasoning
+from app.chat import close_reasoning, history_to_messages, reply_for_display, strip_reasoning, ends_in_error, error_message
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 
@@ -69,3 +69,18 @@ def test_a_finished_reply_never_shows_as_still_thinking():
     assert reply_for_display("still reasoning", True) == "<think>still reasoning"  # streaming: left open
     assert reply_for_display("<think>a</think>done", False, finished=True) == "<think>a</think>done"
     assert close_reasoning("plain answer") == "plain answer"
+
+
+def test_turns_answered_by_an_error_stay_out_of_the_conversation():
+    """A failed turn stays on the page under its reason, and the model is asked as if it had not been sent;
+    a reply that is reasoning alone (a message with metadata, as Gradio hands it back) still answers its turn."""
+    reasoning = {"role": "assistant", "content": "hmm", "metadata": {"title": "Reasoning", "status": "done"}}
+    stats = {"role": "assistant", "content": "", "metadata": {"title": "12 new tokens", "status": "done"}}
+    history = [{"role": "user", "content": "First"}, reasoning, stats,
+               {"role": "user", "content": {"path": "/up/a.txt"}}, {"role": "user", "content": "Failed"},
+               error_message("“a.txt” is not a supported file."),
+               {"role": "user", "content": "Second"}, {"role": "assistant", "content": "Answer"}]
+    assert history_to_messages(history) == [
+        {"role": "user", "content": [{"type": "text", "text": "First"}, {"type": "text", "text": "Second"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Answer"}]}]
+    assert ends_in_error(history[:6]) and not ends_in_error(history) and not ends_in_error([])

@@ -3,10 +3,12 @@
 import gradio as gr
 import pytest
 
+from app.chat import history_to_messages, is_error
+from app.engine.stop_signal import StopSignal
 from app.ui.handlers import SETTING_KEYS, Handlers, stats_message
-from app.ui.layout import question_then_answer
+from app.ui.replying import question_then_answer
 from app.ui.previews import Previews
-from tests.conftest import make_image, truncated_png
+from tests.conftest import make_image, truncated_png, wait_for
 
 
 @pytest.fixture
@@ -58,10 +60,15 @@ def test_camera_photo_is_attached(handlers, tmp_path):
 
 
 def test_bad_upload_is_refused_before_the_model(handlers, tmp_path):
+    """The turn stays, its reply says why, and the box keeps what was sent; an empty message is no turn."""
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
-    with pytest.raises(gr.Error, match="could not be read"):
-        handlers.add_chat_message({"text": "What?", "files": [str(broken)]}, None, [])
+    sent = {"text": "What?", "files": [str(broken)]}
+    history, box, camera = handlers.add_chat_message(sent, None, [])
+    assert [m["content"] for m in history[:2]] == [{"path": str(broken)}, "What?"]
+    assert is_error(history[-1]) and "could not be read" in history[-1]["content"] and len(history) == 3
+    assert box == sent and camera is None
+    assert history_to_messages(history) == []  # a failed turn never reaches the model
     with pytest.raises(gr.Error, match="Type a question"):
         handlers.add_chat_message({"text": " ", "files": []}, None, [])
 
@@ -78,48 +85,75 @@ def test_an_image_broken_past_its_header_is_explained_in_the_reply(handlers, man
     assert after[-1]["metadata"]["title"].startswith("640 visual tokens")
 
 
-def test_a_failed_question_goes_back_to_its_box(handlers, manager, red_image, tmp_path):
-    """As wired in the page: when the reply fails, the question's turn is removed and the box gets back
-    what was sent (its text and files, and the camera's photo); a question answered leaves them cleared."""
+SKIP = type(gr.skip())
+
+
+def last_history(updates: list) -> list:
+    """The chat as the page last got it (the last update may change the box only)."""
+    return next(update[0] for update in reversed(updates) if isinstance(update[0], list))
+
+
+def test_a_failed_question_stays_under_its_error_and_goes_back_to_its_box(handlers, manager, red_image, tmp_path):
+    """As wired in the page: when the reply fails, the question's turn stays with the reason as its reply, and
+    the box gets back what was sent (its text and files, and the camera's photo), Send in place of Stop; a
+    question answered leaves them cleared."""
     cut = truncated_png(tmp_path)
-    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond, cleared=2)
+    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond, cleared=2, placeholder="Ask")
     sent = {"text": "What is on this page?", "files": [cut]}
     updates = list(answer(sent, red_image, [], *settings_values(manager)))
-    assert updates[0][1:] == (None, None)  # cleared as it was sent
-    history, box, camera = updates[-1]
-    assert history[-1]["metadata"]["title"].startswith("⚠️") and len(history) == 1
-    assert box == sent and camera == red_image
+    box, camera = updates[0][1:]
+    assert box == {"__type__": "update", "value": None, "placeholder": "Ask", "submit_btn": False, "stop_btn": True}
+    assert camera is None  # cleared as it was sent
+    history = last_history(updates)
+    assert [m["content"] for m in history[:-1]] == [{"path": cut}, {"path": red_image}, "What is on this page?"]
+    assert is_error(history[-1]) and "could not be read" in history[-1]["content"]
+    _, box, camera = updates[-1]
+    assert box["value"] == sent and (box["submit_btn"], box["stop_btn"]) == (True, False) and camera == red_image
 
     updates = list(answer({"text": "And now?", "files": [red_image]}, None, history, *settings_values(manager)))
-    history, box, camera = updates[-1]
+    history = last_history(updates)
     assert history[-1]["metadata"]["title"].startswith("640 visual tokens")
-    assert isinstance(box, type(gr.skip())) and isinstance(camera, type(gr.skip()))
+    _, box, camera = updates[-1]
+    assert "value" not in box and (box["submit_btn"], box["stop_btn"]) == (True, False) and isinstance(camera, SKIP)
+    # The failed turn is on the page, not in what the model was asked.
+    assert [part["type"] for m in history_to_messages(history) for part in m["content"]] == ["image", "text", "text"]
 
-    ask_multi = question_then_answer(handlers.add_multi_image_question, 3, handlers.respond, cleared=1)
-    history, box = list(ask_multi("Compare them.", [cut, red_image], [], *settings_values(manager)))[-1]
-    assert history[-1]["metadata"]["title"].startswith("⚠️") and box == "Compare them."
+    ask_multi = question_then_answer(handlers.add_multi_image_question, 3, handlers.respond, cleared=1, placeholder="Ask")
+    updates = list(ask_multi("Compare them.", [cut, red_image], [], *settings_values(manager)))
+    assert is_error(last_history(updates)[-1]) and updates[-1][1]["value"] == "Compare them."
 
 
 def test_a_question_refused_before_it_is_asked_is_explained_in_the_chat_and_stays_in_its_box(
         handlers, manager, red_image, tmp_path):
-    """A file that is no image, or an empty question, is refused before the engine sees it: the reason is
-    in the chat (not only in a toast that goes), the conversation is as it was, the question is back in
-    its box. Raised instead, Gradio covered the chat and the box with "Error" boxes."""
-    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond, cleared=2)
+    """A file that is no image is refused before the engine sees it: the turn and its reason are in the chat
+    (no toast), the conversation before it is as it was, the question is back in its box. Raised instead,
+    Gradio covered the chat and the box with "Error" boxes. An empty question is no turn: the box says so."""
+    answer = question_then_answer(handlers.add_chat_message, 3, handlers.respond, cleared=2, placeholder="Ask")
     earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     fake = tmp_path / "notimage.png"
     fake.write_text("just some text")
-    for sent, photo, why in (({"text": "What is this?", "files": [str(fake)]}, red_image, "could not be read as an image"),
-                             ({"text": "  ", "files": []}, None, "Type a question")):
-        updates = list(answer(sent, photo, earlier, *settings_values(manager)))
-        assert len(updates) == 1
-        history, box, camera = updates[0]
-        assert history[:2] == earlier and len(history) == 3 and why in history[-1]["content"]
-        assert history[-1]["metadata"]["title"].startswith("⚠️")
-        assert box == sent and camera == photo
-    ask_video = question_then_answer(handlers.add_video_question, 3, handlers.respond, cleared=1)
+    sent = {"text": "What is this?", "files": [str(fake)]}
+    updates = list(answer(sent, red_image, earlier, *settings_values(manager)))
+    assert len(updates) == 1
+    history, box, camera = updates[0]
+    assert history[:2] == earlier and [m["content"] for m in history[2:5]] == [{"path": str(fake)}, {"path": red_image},
+                                                                               "What is this?"]
+    assert is_error(history[-1]) and "could not be read as an image" in history[-1]["content"] and len(history) == 6
+    assert box == sent and camera == red_image
+    assert history_to_messages(history) == history_to_messages(earlier)
+
+    updates = list(answer({"text": "  ", "files": []}, None, earlier, *settings_values(manager)))
+    assert len(updates) == 1
+    history, box, camera = updates[0]
+    assert isinstance(history, SKIP) and isinstance(camera, SKIP)
+    assert box == {"__type__": "update", "placeholder": "⚠️ Type a question or attach an image first."}
+
+    ask_video = question_then_answer(handlers.add_video_question, 3, handlers.respond, cleared=1, placeholder="Ask")
     history, box = list(ask_video("What happens?", None, [], *settings_values(manager)))[0]
-    assert history[-1]["metadata"]["title"].startswith("⚠️") and box == "What happens?"
+    assert [m["content"] for m in history] == ["What happens?", "Upload a video first."] and is_error(history[-1])
+    assert box == "What happens?"
+    _, box = list(ask_video(" ", None, [], *settings_values(manager)))[0]
+    assert box["placeholder"] == "⚠️ Upload a video first."
 
 
 def test_an_image_whose_upload_expired_is_explained(handlers, manager, tmp_path):
@@ -131,16 +165,23 @@ def test_an_image_whose_upload_expired_is_explained(handlers, manager, tmp_path)
     assert "“expired.png” is no longer on the server" in final[-1]["content"]
 
 
-def test_failed_turn_is_removed_and_explained(handlers, manager, red_image, tmp_path):
+def test_a_failed_turn_stays_under_its_reason_and_out_of_the_conversation(handlers, manager, red_image, tmp_path):
     _, good = run(handlers, manager, [{"role": "user", "content": {"path": red_image}}, {"role": "user", "content": "Hi"}])
     broken = tmp_path / "vanished.png"
     broken.write_bytes(b"garbage")
     history = good + [{"role": "user", "content": {"path": str(broken)}}, {"role": "user", "content": "And this?"}]
     _, final = run(handlers, manager, history)
-    assert final[: len(good)] == good  # the earlier conversation is intact
-    assert final[-1]["metadata"]["title"].startswith("⚠️") and len(final) == len(good) + 1
-    _, after = run(handlers, manager, final + [{"role": "user", "content": "Next question"}])
+    assert final[: len(history)] == history  # the earlier conversation and the failed turn are intact
+    assert is_error(final[-1]) and len(final) == len(history) + 1
+    follow_up = final + [{"role": "user", "content": "Next question"}]
+    asked = history_to_messages(follow_up)
+    assert asked[:-1] == history_to_messages(good) and asked[-1]["content"] == [{"type": "text", "text": "Next question"}]
+    _, after = run(handlers, manager, follow_up)
     assert after[-1]["metadata"]["title"].startswith("640 visual tokens")  # the conversation goes on
+    retried = handlers.retry(final, gr.RetryData(None, {"index": len(history) - 1, "value": "And this?"}))
+    assert retried == history  # Retry sends the failed turn again
+    _, again = run(handlers, manager, retried)
+    assert is_error(again[-1]) and again[:-1] == history
 
 
 def test_retry_and_undo(handlers, manager, red_image):
@@ -174,8 +215,10 @@ def test_multi_image_order_costs_and_questions(handlers, manager, tmp_path):
     assert "Images: #1 640, #2 578, #3 64 tokens." in history[-1]["content"]
     history, _ = handlers.add_multi_image_question("And now?", moved, history)
     assert history[-1] == {"role": "user", "content": "And now?"}  # follow-up: images are not attached twice
+    history, box = handlers.add_multi_image_question("Hi", [], [])
+    assert is_error(history[-1]) and history[-1]["content"] == "Add at least one image to the gallery first." and box == "Hi"
     with pytest.raises(gr.Error, match="Add at least one image"):
-        handlers.add_multi_image_question("Hi", [], [])
+        handlers.add_multi_image_question(" ", [], [])
 
 
 def test_thinking_renders_as_a_reasoning_block(handlers, manager, red_image):
@@ -234,3 +277,34 @@ def test_help_shows_no_default_for_flags():
     text = build_parser().format_help()
     assert "(default: True)" not in text and "(default: False)" not in text
     assert "(default: 1)" in text  # options with a value still show theirs
+
+
+def test_stop_ends_a_reply_with_what_it_said_marked_stopped_and_its_stats(handlers, manager):
+    """Stop ends the reply through its own handler (app.ui.cancellable.StopControl): the text so far stays,
+    reasoning it cut off is closed, and the stats line says it was stopped, with the tokens it had."""
+    for thinking in (False, True):
+        stop, updates = StopSignal(), []
+        history = [{"role": "user", "content": "Tell me a very long story."}]
+        settings = ui_settings(manager, max_new_tokens=4000, min_new_tokens=4000, do_sample=False, enable_thinking=thinking)
+        for update in handlers.respond(history, settings, stop=stop):
+            updates.append([dict(message) for message in update])
+            if len(updates) == 3:
+                stop.set()
+        reply, stats = updates[-1][-2], updates[-1][-1]
+        assert reply["content"].startswith(updates[2][-1]["content"][:20]) and reply["content"]
+        assert stats["metadata"]["title"].startswith("■ Stopped · ")
+        new_tokens = int(stats["metadata"]["title"].split(" new tokens")[0].rsplit(" ", 1)[-1])
+        assert 0 < new_tokens < 4000
+        if thinking:  # reasoning cut off would show as still thinking on the page
+            assert reply["content"].startswith("<think>")
+            assert reply["content"].rfind("</think>") > reply["content"].rfind("<think>")
+    assert wait_for(lambda: manager.active_generations == 0, 30)
+
+
+def test_a_reply_stopped_before_its_first_word_is_marked_stopped(handlers, manager):
+    stop = StopSignal()
+    stop.set()
+    history = [{"role": "user", "content": "Hi"}]
+    final = list(handlers.respond(history, ui_settings(manager), stop=stop))[-1]
+    assert final == history + [{"role": "assistant", "content": "", "metadata": {"title": "■ Stopped", "status": "done"}}]
+    assert history_to_messages(final) == [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]

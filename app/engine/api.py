@@ -14,7 +14,7 @@ class ReplyEvent(str, Enum):
     END = "end"  # {"new_tokens", "started_at", "first_token_at"}: the reply is whole
     REFUSED = "refused"  # Busy: the wait line is full
     ERROR = "error"  # the exception that ended it
-    STOPPED = "stopped"  # None: the caller's StopSignal was set; the reply ends with no last update
+    STOPPED = "stopped"  # None: the caller's StopSignal was set; the reply ends at once, its stats so far
 
 
 class EngineCall(str, Enum):
@@ -43,6 +43,7 @@ class ReplyUpdate:
     opens_thinking: bool = False  # the prompt already opened a reasoning block: `text` starts inside it
     stats: dict | None = None
     waiting_ahead: int | None = None  # set while the request waits in line: requests ahead of it
+    stopped: bool = False  # the last update of a reply its caller's StopSignal ended: `stats` are so far
 
 
 @dataclass(frozen=True)

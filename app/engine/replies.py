@@ -14,16 +14,17 @@ from app.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def timing_stats(new_tokens: int, requested_at: float, prepared_at: float, started_at: float,
+def timing_stats(new_tokens: int, requested_at: float, prepared_at: float, started_at: float | None,
                  first_token_at: float | None, finished_at: float) -> dict:
-    """The timing part of a reply's stats, from perf_counter() readings; tokens_per_s is the decode rate."""
+    """The timing part of a reply's stats, from perf_counter() readings; tokens_per_s is the decode rate.
+    `started_at` (when its prefill began) is None for a stopped reply: the engine never said."""
     first = first_token_at or finished_at
     decode_s = finished_at - first
     return {
         "new_tokens": new_tokens,
         "ttft_ms": round((first - requested_at) * 1000, 1),
         "preprocess_ms": round((prepared_at - requested_at) * 1000, 1),
-        "queue_ms": round((started_at - prepared_at) * 1000, 1),
+        "queue_ms": None if started_at is None else round((started_at - prepared_at) * 1000, 1),
         "tokens_per_s": round((new_tokens - 1) / decode_s, 1) if new_tokens > 1 and decode_s > 0 else None,
         "total_ms": round((finished_at - requested_at) * 1000, 1),
     }
@@ -90,6 +91,7 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
     """
     outcome = "stopped"
     prepared = first_received_at = None
+    received = 0
     try:
         while True:
             while wait_for_events is not None and events.empty():
@@ -107,25 +109,33 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
                 yield ReplyUpdate(text="", waiting_ahead=value)
             elif kind == ReplyEvent.TOKENS:
                 first_received_at = first_received_at or time.perf_counter()
+                received += len(value)
                 for token in value:
                     text.add(token)
                 if events.empty():  # else the consumer fell behind (a busy web server): one update for all
                     yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
             elif kind == ReplyEvent.END:
+                outcome = "finished"
                 break
             elif kind == ReplyEvent.STOPPED:  # the caller's StopSignal
-                return
-        outcome = "finished"
+                break
     finally:
         close(outcome)
+    if prepared is None:  # stopped before its inputs were ready: nothing was said
+        return
+    if outcome == "stopped":  # what this side saw of it: the tokens that reached it, when the first did
+        ended = {"new_tokens": received, "started_at": None, "first_token_at": first_received_at}
+    else:
+        ended = value
     stats = dict(prepared["counts"])
-    stats.update(timing_stats(value["new_tokens"], requested_at, prepared["prepared_at"], value["started_at"],
-                              value["first_token_at"], time.perf_counter()))
+    stats.update(timing_stats(ended["new_tokens"], requested_at, prepared["prepared_at"], ended["started_at"],
+                              ended["first_token_at"], time.perf_counter()))
     stats["preparation_ms"] = preparation_stages(requested_at, prepared["timeline"], prepared["prepared_at"])
-    if first_received_at is not None:  # how long the first token took to come here from the engine's loop
-        stats["first_token_delivery_ms"] = round((first_received_at - value["first_token_at"]) * 1000, 1)
+    if first_received_at is not None and outcome != "stopped":  # the first token's way here from the engine's loop
+        stats["first_token_delivery_ms"] = round((first_received_at - ended["first_token_at"]) * 1000, 1)
     stats["requested_at"] = round(time.time() - (time.perf_counter() - requested_at), 3)  # Unix time
-    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats)
+    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats,
+                      stopped=outcome == "stopped")
 
 
 def as_user_error(error: BaseException) -> UserError:

@@ -1,8 +1,10 @@
 """Streaming handlers that a cancel ends at once, whatever they are doing."""
 
 import contextlib
+import threading
 
 import anyio
+import gradio as gr
 
 from app.engine.stop_signal import StopSignal
 from app.zerogpu import zero_gpu_enabled
@@ -10,8 +12,38 @@ from app.zerogpu import zero_gpu_enabled
 _END = object()
 
 
-def cancellable(handler, blocks):
-    """`handler` (a generator function that takes `stop=`, a StopSignal) as an async generator for Gradio.
+class StopControl:
+    """The replies in progress in one chat, by session: its Stop ends them through their own handlers, which
+    show what each had said when it came, marked as stopped and with its stats. A cancel (Gradio's) ends a
+    handler where it is, with nothing more said: reasoning cut off stayed "thinking" on the page."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: dict[str, set[StopSignal]] = {}
+
+    def started(self, session: str | None, stop: StopSignal) -> None:
+        if session is not None:
+            with self._lock:
+                self._running.setdefault(session, set()).add(stop)
+
+    def ended(self, session: str | None, stop: StopSignal) -> None:
+        with self._lock:
+            stops = self._running.get(session, set())
+            stops.discard(stop)
+            if not stops:
+                self._running.pop(session, None)
+
+    def stop(self, request: gr.Request) -> None:
+        """The Stop event's function: ends the replies of the session that clicked it."""
+        with self._lock:
+            stops = list(self._running.get(request.session_hash, ()))
+        for stop in stops:
+            stop.set()
+
+
+def cancellable(handler, blocks, control: StopControl | None = None):
+    """`handler` (a generator function that takes `stop=`, a StopSignal) as an async generator for Gradio;
+    `control`, if given, can end it through its own handler too (StopControl).
 
     Gradio runs a plain generator's every step in a thread that a cancel (Stop, gradio_client's
     job.cancel(), a client gone) cannot interrupt, and keeps the generator to close it only once its
@@ -24,15 +56,18 @@ def cancellable(handler, blocks):
     """
     if zero_gpu_enabled():
         return handler
+    control = control or StopControl()  # one that nothing stops: only cancels end the handler
 
-    async def run(*values):
-        stop = StopSignal()
+    async def run(request: gr.Request, *values):
+        stop, session = StopSignal(), request.session_hash
+        control.started(session, stop)
         updates = handler(*values, stop=stop)
         try:
             while (update := await anyio.to_thread.run_sync(next, updates, _END, abandon_on_cancel=True,
                                                             limiter=blocks.limiter)) is not _END:
                 yield update
         finally:
+            control.ended(session, stop)
             stop.set()
             with contextlib.suppress(ValueError):  # still running in its thread, where the stop ends it
                 updates.close()

@@ -16,11 +16,13 @@ from app.messages import (
     MSG_EMPTY_REQUEST,
     MSG_MULTI_IMAGE_NEEDS_IMAGES,
     MSG_SETTINGS_NOT_OBJECT,
+    MSG_STOPPED,
     MSG_SWITCH_OFF,
     MSG_VIDEO_NEEDS_VIDEO,
     MSG_WAITING,
 )
-from app.chat import history_to_messages, reply_for_display, reply_text, strip_reasoning, user_content
+from app.chat import (box_value, close_reasoning, error_message, history_to_messages, reply_for_display, reply_text,
+                      strip_reasoning, user_content)
 from app.engine.settings import parse_flag
 from app.errors import UserError
 from app.media.files import media_kind
@@ -87,8 +89,8 @@ def stats_message(stats: dict, notices: list[str]) -> dict:
     stages = stats.get("preparation_ms") or {}  # an external server's replies have none
     waited = stages.get("to_preparer", 0) + stages.get("for_a_worker", 0)
     busy = f" ({waited:.0f} of them waiting for a free preparer)" if waited >= tuning.PREPARATION_WAIT_SHOWN_MS else ""
-    details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms{busy}, waiting for the model {stats['queue_ms']:.0f} ms, "
-                   f"total {stats['total_ms'] / 1000:.2f} s.")
+    queued = f"waiting for the model {stats['queue_ms']:.0f} ms, " if stats["queue_ms"] is not None else ""
+    details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms{busy}, {queued}total {stats['total_ms'] / 1000:.2f} s.")
     details.extend(notices)
     return {"role": "assistant", "content": "\n\n".join(details), "metadata": {"title": title, "status": "done"}}
 
@@ -116,26 +118,32 @@ def waiting_message(ahead: int) -> dict:
     return {"role": "assistant", "content": "", "metadata": {"title": text, "status": "pending"}}
 
 
-ERROR_TITLE = "⚠️ "  # starts the title of error_message, and of nothing else in a chat
+def stopped_stats_message(stats: dict, notices: list[str]) -> dict:
+    """A stopped reply's stats line: what it had done when Stop came, marked as stopped."""
+    message = stats_message(stats, notices)
+    return {**message, "metadata": {**message["metadata"], "title": f"{MSG_STOPPED} · {message['metadata']['title']}"}}
 
 
-def error_message(text: str) -> dict:
-    return {"role": "assistant", "content": text, "metadata": {"title": ERROR_TITLE + text, "status": "done"}}
+def _stopped_early(reply: dict) -> list[dict]:
+    """What stays of a reply stopped with no stats: its text, if any, with reasoning it cut off closed, and
+    the mark."""
+    said = [] if reply.get("metadata") or not reply["content"] else [{**reply, "content": close_reasoning(reply["content"])}]
+    return said + [{"role": "assistant", "content": "", "metadata": {"title": MSG_STOPPED, "status": "done"}}]
 
 
-def ends_in_error(history: list) -> bool:
-    """Whether the last reply failed: its turn was removed and error_message put in its place."""
-    return bool(history) and (history[-1].get("metadata") or {}).get("title", "").startswith(ERROR_TITLE)
+def _error_reply(message: str) -> dict:
+    log_refusal(message)
+    return error_message(message)
 
 
-def _without_last_turn(history: list) -> list:
-    """History up to (not including) the last run of user messages: what to keep when a turn fails."""
-    end = len(history)
-    while end and history[end - 1]["role"] != "user":
-        end -= 1
-    while end and history[end - 1]["role"] == "user":
-        end -= 1
-    return list(history[:end])
+def _refusal_of(paths: list[str]) -> dict | None:
+    """The error reply for the first of `paths` that is refused (from what can be read quickly), or None."""
+    try:
+        for path in paths:
+            _check_upload(path)
+    except UserError as error:
+        return _error_reply(str(error))
+    return None
 
 
 class Handlers:
@@ -149,13 +157,17 @@ class Handlers:
 
     def respond(self, history: list, settings: dict, stop=None):
         """Stream the assistant's reply to the last user turn of `history` (Chat, Multi-image and Video
-        tabs) under the UI's `settings` (by name); `stop` (app.engine.stop_signal) ends it at once."""
+        tabs) under the UI's `settings` (by name); `stop` (app.engine.stop_signal) ends it at once, with
+        what it had said and its stats marked as stopped. A failure is the turn's reply (error_message):
+        the turn stays on the page, and out of the conversation the model is given (app.chat)."""
         history = list(history or [])
+        asked = len(history)
         try:
             settings = self.settings_from(settings)
             messages = history_to_messages(history)
             history.append({"role": "assistant", "content": ""})
-            # closing(): when Gradio cancels this handler (Stop, client gone), the stream's cleanup takes the
+            ended = False
+            # closing(): when Gradio cancels this handler (a client gone), the stream's cleanup takes the
             # request out of the batch.
             with closing(self.manager.stream(messages, settings, stop)) as updates:
                 for update in updates:
@@ -163,15 +175,18 @@ class Handlers:
                         history[-1] = waiting_message(update.waiting_ahead)
                         yield history
                         continue
+                    ended = update.stats is not None
                     history[-1] = {"role": "assistant", "content": reply_for_display(
-                        update.text, update.opens_thinking, finished=update.stats is not None)}
-                    if update.stats is not None:
-                        history.append(stats_message(update.stats, update.notices))
+                        update.text, update.opens_thinking, finished=ended)}
+                    if ended:
+                        lines = stopped_stats_message if update.stopped else stats_message
+                        history.append(lines(update.stats, update.notices))
                     yield history
+            if not ended:  # stopped with no stats: before its first word, or by a server that gives none
+                yield history[:asked] + _stopped_early(history[asked])
         except UserError as error:
             log_refusal(str(error))
-            gr.Warning(str(error))
-            yield _without_last_turn(history) + [error_message(str(error))]
+            yield history[:asked] + [error_message(str(error))]
 
     @staticmethod
     def end_stopped_reply(history: list) -> list:
@@ -189,7 +204,9 @@ class Handlers:
     # Chat tab ---------------------------------------------------------------------------------------
 
     def add_chat_message(self, message: dict | None, camera_image: str | None, history: list):
-        """Put the user's text and attachments into the history; bad files are refused here, before the model."""
+        """Put the user's text and attachments into the history, then (history, box, camera) as they are to
+        be. A bad file is refused here, before the model: the turn stays, the reason is its reply, and the
+        box and camera keep what was sent. An empty message is refused as gr.Error (nothing was asked)."""
         message = message or {}
         text = message.get("text") or ""
         paths = [upload_path(file) for file in message.get("files") or []]
@@ -197,19 +214,18 @@ class Handlers:
             paths.append(camera_image)
         if not text.strip() and not paths:
             raise refusal(MSG_EMPTY_CHAT)
-        try:
-            for path in paths:
-                _check_upload(path)
-        except UserError as error:
-            raise refusal(str(error)) from None
-        history = list(history or [])
-        history.extend({"role": "user", "content": {"path": path}} for path in paths)
+        turn = [{"role": "user", "content": {"path": path}} for path in paths]
         if text.strip():
-            history.append({"role": "user", "content": text})
+            turn.append({"role": "user", "content": text})
+        history = list(history or []) + turn
+        refused = _refusal_of(paths)
+        if refused is not None:
+            return history + [refused], message, camera_image
         return history, None, None
 
     def retry(self, history: list, retry_data: gr.RetryData):
-        """Keep history up to the retried turn's user message; `respond` then answers it again."""
+        """Keep history up to the retried turn's user message; `respond` then answers it again (a turn that
+        failed is sent again: every failure is the reply to a turn of its own, app.chat.error_message)."""
         kept = list(history[: retry_data.index + 1])
         while kept and kept[-1]["role"] != "user":
             kept.pop()
@@ -223,10 +239,7 @@ class Handlers:
         removed = []
         while kept and kept[-1]["role"] == "user":
             removed.insert(0, kept.pop())
-        parts = [part for message in history_to_messages(removed) for part in message["content"]]
-        text = "\n".join(part["text"] for part in parts if part["type"] == "text")
-        files = [part["path"] for part in parts if part["type"] != "text"]
-        return kept, {"text": text, "files": files}
+        return kept, box_value(removed)
 
     # Multi-image tab --------------------------------------------------------------------------------
 
@@ -253,30 +266,26 @@ class Handlers:
     def add_multi_image_question(self, question: str, gallery: list | None, history: list):
         """The first question carries every gallery image, in gallery order; follow-ups are text only."""
         paths = [upload_path(item) for item in gallery or []]
-        if not paths:
-            raise refusal(MSG_MULTI_IMAGE_NEEDS_IMAGES)
-        return self._add_question(question, paths, history)
+        return self._add_question(question, paths, history, MSG_MULTI_IMAGE_NEEDS_IMAGES)
 
     # Video tab --------------------------------------------------------------------------------------
 
     def add_video_question(self, question: str, video: str | None, history: list):
-        if not video:
-            raise refusal(MSG_VIDEO_NEEDS_VIDEO)
-        return self._add_question(question, [video], history)
+        return self._add_question(question, [video] if video else [], history, MSG_VIDEO_NEEDS_VIDEO)
 
-    def _add_question(self, question: str, paths: list[str], history: list):
-        if not (question or "").strip():  # the Multi-image and Video tabs' media are already there
-            raise refusal(MSG_EMPTY_QUESTION)
+    def _add_question(self, question: str, paths: list[str], history: list, no_media: str):
+        """(history, box) as add_chat_message gives them, for a tab whose media are already there (`paths`,
+        or `no_media` is the reply)."""
+        if not (question or "").strip():
+            raise refusal(MSG_EMPTY_QUESTION if paths else no_media)
         history = list(history or [])
-        if not any(entry["role"] == "user" for entry in history):
-            try:
-                for path in paths:
-                    _check_upload(path)
-            except UserError as error:
-                raise refusal(str(error)) from None
-            history.extend({"role": "user", "content": {"path": path}} for path in paths)
-        history.append({"role": "user", "content": question})
-        return history, ""
+        first = not any(entry["role"] == "user" for entry in history)
+        turn = [{"role": "user", "content": {"path": path}} for path in paths] if first else []
+        turn.append({"role": "user", "content": question})
+        refused = _refusal_of(paths if first else []) if paths else _error_reply(no_media)
+        if refused is not None:
+            return history + turn + [refused], question
+        return history + turn, ""
 
     def server_load(self) -> list:
         """The Server load panel's text, then its charts' values (app.ui.load_charts)."""
@@ -317,7 +326,7 @@ class Handlers:
                 raise UserError(MSG_EMPTY_REQUEST)
             messages = list(conversation or []) if follow_up else []
             messages.append({"role": "user", "content": user_content(text, paths)})
-            reply = ""
+            reply, update = "", None
             with closing(self.manager.stream(messages, generation_settings, stop)) as updates:
                 for update in updates:
                     reply = reply_text(update.text, update.opens_thinking)
@@ -325,8 +334,10 @@ class Handlers:
                         yield reply, {"done": False, "waiting_ahead": update.waiting_ahead}, gr.skip()
                     elif update.stats is None:
                         yield reply, {"done": False}, gr.skip()
+            if update is None or update.stats is None:  # stopped before it began
+                return
             answer = {"role": "assistant", "content": [{"type": "text", "text": strip_reasoning(reply)}]}
-            yield reply, {"done": True, **update.stats, "handler_started_at": round(started_at, 3), "notices": update.notices}, \
-                messages + [answer]
+            yield reply, {"done": True, "stopped": update.stopped, **update.stats, "handler_started_at": round(started_at, 3),
+                          "notices": update.notices}, messages + [answer]
         except UserError as error:
             raise refusal(str(error)) from None

@@ -11,17 +11,16 @@ from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import handler_slots
 from app.media.files import BROWSER_COPY_SUFFIX
 from app.model.checkpoint.presets import PRESETS
-from app.ui.cancellable import cancellable
+from app.ui.cancellable import StopControl
 from app.ui.file_inputs import UploadsOnlyBlocks
-from app.ui.handlers import SETTING_KEYS, Handlers, ends_in_error, error_message, model_header, settings_dict
+from app.ui.handlers import SETTING_KEYS, Handlers, model_header, settings_dict
 from app.ui.load_charts import load_charts
 from app.ui.previews import Previews, ShownVideo
-from app.zerogpu import on_zero_gpu
+from app.ui.replying import MODEL_EVENTS, streaming, wire_answer, wire_question, wire_stop
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
 EXAMPLES = os.path.join(ASSETS, "examples")
 CSS_PATH = os.path.join(ASSETS, "style.css")
-MODEL_EVENTS = "model"  # one concurrency group: every event that generates waits for the same model
 SLICING_KEYS = ("max_slice_nums", "downsample_mode", "visual_token_budget")  # the settings an image's cut depends on
 # Checked with the real processors (tests/test_budget.py): 4.6's 14-px patches make a 448x448 view 64 tokens in
 # "16x", 4.7's 16-px ones 49; a slice's count follows its shape (a 1920x1080 image: 66 + 2x4 x 64 = 578).
@@ -76,66 +75,6 @@ def _video_controls(defaults) -> dict:
 def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
     return gr.Chatbot(label=label, height=480, placeholder=placeholder, reasoning_tags=[(THINK_OPEN, THINK_CLOSE)],
                       buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id)
-
-
-def question_then_answer(add, inputs: int, respond, cleared: int):
-    """One event's function for a question: `add` takes the first `inputs` values and puts the question
-    into the history (it returns the history, then new values for the first inputs, which it clears);
-    `respond` streams the reply from the history and the remaining values (the settings). Chained as two
-    events, the reply's first text reached the page about 90 ms later (Gradio 6.31 in Chromium, a minimal
-    app: 200-235 ms after Enter against 110-146). If the reply fails (an unreadable image, a busy demo),
-    the cleared inputs get back what was submitted, so that the question is not lost with its turn. If
-    `add` refuses the question (an empty one, a file that is no image), the refusal is shown in the chat
-    too, the question stays in its box (the first `cleared` inputs), and the conversation stays as it was:
-    raised, Gradio covered the chat and the box with "Error" once its toast was gone."""
-
-    def added_then_answered(*values, stop=None):
-        try:
-            added = add(*values[:inputs])
-        except gr.Error as refused:  # app.ui.refusals: already logged
-            gr.Warning(refused.message)
-            yield [*(values[inputs - 1] or []), error_message(refused.message)], *values[:cleared]
-            return
-        yield added
-        history = added[0]
-        for history in respond(added[0], settings_dict(values[inputs:]), stop=stop):
-            yield history, *[gr.skip()] * cleared
-        if ends_in_error(history):
-            yield history, *values[:cleared]
-
-    return added_then_answered
-
-
-def _streaming(handler, blocks):
-    """A streaming handler as events of `blocks` run it: on ZeroGPU's GPU, and ended at once by a cancel."""
-    return cancellable(on_zero_gpu(handler), blocks)
-
-
-def _wire_question(blocks, box, add, add_inputs: list, outputs: list, respond, settings, concurrency: int):
-    """A question submitted from `box` as one event (question_then_answer): `outputs` are the chatbot, then
-    the first of `add_inputs` that `add` clears; the box's stop control cancels it (_stop_cancels)."""
-    added_then_answered = question_then_answer(add, len(add_inputs), respond, cleared=len(outputs) - 1)
-    answer = box.submit(_streaming(added_then_answered, blocks), [*add_inputs, *settings],
-                        outputs, concurrency_id=MODEL_EVENTS, concurrency_limit=concurrency, api_visibility="undocumented")
-    _stop_cancels(box, answer, outputs[0])
-
-
-def _wire_answer(blocks, trigger, respond, chatbot, settings, stop_target, concurrency: int):
-    """Stream a reply after `trigger` succeeds; the stop control cancels it (_stop_cancels)."""
-
-    def answer_history(history, *values, stop=None):
-        yield from respond(history, settings_dict(values), stop=stop)
-
-    answer = trigger.success(_streaming(answer_history, blocks), [chatbot, *settings], [chatbot], concurrency_id=MODEL_EVENTS,
-                             concurrency_limit=concurrency, api_visibility="undocumented")
-    _stop_cancels(stop_target, answer, chatbot)
-
-
-def _stop_cancels(stop_target, answer, chatbot) -> None:
-    """The stop control cancels `answer`, which takes the request out of the batch, and marks reasoning it
-    cut off as done."""
-    stop_target.stop(Handlers.end_stopped_reply, [chatbot], [chatbot], cancels=[answer], concurrency_limit=None,
-                     api_visibility="private")
 
 
 def build_demo(manager) -> gr.Blocks:
@@ -202,7 +141,7 @@ def _chat_tab() -> SimpleNamespace:
         chat = _chatbot("Chat", "Ask anything, or attach photos (upload, paste, or the camera below).", "chat")
         box = gr.MultimodalTextbox(
             file_count="multiple", file_types=list(limits.IMAGE_EXTENSIONS), sources=["upload"],
-            placeholder="Message MiniCPM-V… (attach or paste images)", stop_btn=True, autofocus=True,
+            placeholder="Message MiniCPM-V… (attach or paste images)", autofocus=True,
             show_label=False, elem_id="chat-input",
         )
         pictures, costs = _image_previews("chat")
@@ -237,7 +176,7 @@ def _multi_image_tab() -> SimpleNamespace:
         pictures, costs = _image_previews("multi", MSG_MULTI_IMAGE_HINT)
         chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",
                         "multi-chat")
-        box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True, stop_btn=True,
+        box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True,
                          show_label=False, elem_id="multi-input")
         gr.Examples(
             examples=[[[os.path.join(EXAMPLES, "shapes.jpg"), os.path.join(EXAMPLES, "shapes-moved.jpg")],
@@ -259,7 +198,7 @@ def _video_tab(defaults) -> SimpleNamespace:
                             object_fit="contain", interactive=False, buttons=["fullscreen"], elem_id="video-frames",
                             elem_classes="seen-by-model")
         chat = _chatbot("Conversation about the video", "Ask what happens in the video.", "video-chat")
-        box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True, stop_btn=True,
+        box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True,
                          show_label=False, elem_id="video-input")
         gr.Examples(examples=[[os.path.join(EXAMPLES, "ball.webm"), "Describe what happens in this video."]],
                     inputs=[video, box], label="Examples")
@@ -288,10 +227,11 @@ ATTACHMENTS_KEY = ("(message, camera, ...slicing) => "
 
 def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     handlers, chat = wiring.handlers, tab.chat
-    _wire_question(wiring.blocks, tab.box, handlers.add_chat_message, [tab.box, tab.camera, chat],
-                   [chat, tab.box, tab.camera], handlers.respond, wiring.settings, wiring.concurrency)
+    control = StopControl()
+    asked = wire_question(wiring, tab.box, handlers.add_chat_message, [tab.box, tab.camera, chat],
+                           [chat, tab.box, tab.camera], control)
     retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
-    _wire_answer(wiring.blocks, retried, handlers.respond, chat, wiring.settings, tab.box, wiring.concurrency)
+    wire_stop(tab.box, chat, control, [asked, wire_answer(wiring, retried, chat, tab.box, control)])
     chat.undo(handlers.undo, [chat], [chat, tab.box], api_visibility="undocumented")
     chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
 
@@ -331,8 +271,10 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     tab.remove.click(lambda g, i: _gallery_at(*Handlers.remove_image(g, i)), [tab.gallery, tab.selected],
                      [tab.gallery, tab.selected],
                      api_visibility="undocumented").then(lambda: [], None, [tab.chat], api_visibility="undocumented")
-    _wire_question(wiring.blocks, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
-                   [tab.chat, tab.box], handlers.respond, wiring.settings, wiring.concurrency)
+    control = StopControl()
+    asked = wire_question(wiring, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
+                           [tab.chat, tab.box], control)
+    wire_stop(tab.box, tab.chat, control, [asked])
 
 
 # Gradio's player says "Video not playable" of a video the browser cannot play; once its copy is in the player,
@@ -358,13 +300,15 @@ def _wire_video(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     tab.video.change(None, [tab.video], None, js=DISMISS_UNPLAYABLE_ERROR)
     for control in (tab.settings["video_fps"], tab.settings["video_max_frames"]):
         control.change(previews.video_frames, sampling, [tab.info, tab.frames], api_visibility="undocumented", **previewing)
-    _wire_question(wiring.blocks, tab.box, handlers.add_video_question, [tab.box, tab.video, tab.chat],
-                   [tab.chat, tab.box], handlers.respond, wiring.settings, wiring.concurrency)
+    control = StopControl()
+    asked = wire_question(wiring, tab.box, handlers.add_video_question, [tab.box, tab.video, tab.chat],
+                           [tab.chat, tab.box], control)
+    wire_stop(tab.box, tab.chat, control, [asked])
 
 
 def _wire_api(wiring: SimpleNamespace, api: SimpleNamespace) -> None:
     """The scripting API: gradio_client.Client(url).submit(text, files, settings, api_name="/ask")."""
-    api.button.click(_streaming(wiring.handlers.ask, wiring.blocks), [api.text, api.files, api.settings, api.conversation],
+    api.button.click(streaming(wiring.handlers.ask, wiring.blocks), [api.text, api.files, api.settings, api.conversation],
                      [api.reply, api.stats, api.conversation], api_name="ask", concurrency_id=MODEL_EVENTS,
                      concurrency_limit=wiring.concurrency,
                      api_description="Ask about images or one video; streams (reply_text, stats).")
