@@ -66,6 +66,12 @@ STREAM_UPDATE_INTERVAL_S = 0.05
 # server's single Python process, which ran near a full core at 100-200 users through the app on an H200
 # box while the GPU idled half the time. With 200 replies streaming, each is updated every 0.4 s.
 STREAM_UPDATES_PER_S = 500
+# The chat page renders a reply's whole Markdown again at every update: with lists, code and tables a 12 KB
+# reply cost the browser's main thread 30-110 ms an update, and one updated every 50 ms kept it busy for 24 s
+# of its 29 (a click waited up to 1.2 s). So a reply's updates to the page are at least len(text) / this
+# many seconds apart (12 KB: 0.5 s) and at most CHAT_UPDATE_MAX_INTERVAL_S (docs/DECISIONS.md D41).
+CHAT_UPDATE_CHARS_PER_S = 25_000
+CHAT_UPDATE_MAX_INTERVAL_S = 1.0
 # The engine samples its load this often into the history behind the Server load panel's charts, which
 # show the last LOAD_HISTORY_S; the open panel refreshes as often. Every web process's open panels poll
 # the one history in the engine (app.engine.metrics): 120 samples, one engine call a panel a refresh.
@@ -96,5 +102,6 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "PREPARE_CONCURRENCY",
     "STREAM_UPDATE_INTERVAL_S",
     "STREAM_UPDATES_PER_S",
+    "CHAT_UPDATE_CHARS_PER_S",
     "LOAD_SAMPLE_S",
 )}

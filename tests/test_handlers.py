@@ -308,3 +308,42 @@ def test_a_reply_stopped_before_its_first_word_is_marked_stopped(handlers, manag
     final = list(handlers.respond(history, ui_settings(manager), stop=stop))[-1]
     assert final == history + [{"role": "assistant", "content": "", "metadata": {"title": "■ Stopped", "status": "done"}}]
     assert history_to_messages(final) == [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+
+
+class SteadyStream:
+    """A manager whose replies grow by `step` characters every `every_s` seconds of `clock`, for `updates`
+    updates, then end with stats: the engine's stream as respond sees it, on a clock the test turns."""
+
+    def __init__(self, manager, step: int, every_s: float, updates: int):
+        self.real, self.step, self.every_s, self.updates, self.now = manager, step, every_s, updates, 0.0
+
+    def default_settings(self):
+        return self.real.default_settings()
+
+    def clock(self) -> float:
+        return self.now
+
+    def stream(self, messages, settings, stop=None):
+        from app.engine.api import ReplyUpdate
+
+        for n in range(1, self.updates + 1):
+            self.now += self.every_s
+            yield ReplyUpdate(text="word " * (self.step * n // 5))
+        stats = {"visual_tokens": 0, "image_tokens": [], "video_tokens": None, "video_frames": 0, "prompt_tokens": 9,
+                 "new_tokens": self.updates, "ttft_ms": 50.0, "preprocess_ms": 1.0, "queue_ms": 0.0,
+                 "tokens_per_s": 100.0, "total_ms": 1000.0}
+        yield ReplyUpdate(text="word " * (self.step * self.updates // 5), stats=stats)
+
+
+def test_a_long_reply_reaches_the_page_in_fewer_larger_updates(manager):
+    """The page renders a reply's whole Markdown at every update: a short reply shows every update the engine
+    sends (every 50 ms), a long one fewer as it grows (at most one a second), and its last in full."""
+    history = [{"role": "user", "content": "Go."}]
+    short = SteadyStream(manager, step=10, every_s=0.05, updates=100)  # 1,000 characters in 5 s
+    shown = list(Handlers(short, clock=short.clock).respond(history, {}))
+    assert len(shown) == 101  # every update, and the last with its stats
+    long = SteadyStream(manager, step=100, every_s=0.05, updates=600)  # 60,000 characters in 30 s
+    shown = [list(update) for update in Handlers(long, clock=long.clock).respond(history, {})]
+    # Every update up to 1,250 characters, then further apart, one a second past 25,000: 62 of 601.
+    assert 40 <= len(shown) <= 80, len(shown)
+    assert shown[-1][-2]["content"] == "word " * 12000 and shown[-1][-1]["metadata"]["title"]

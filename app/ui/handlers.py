@@ -21,7 +21,7 @@ from app.messages import (
     MSG_VIDEO_NEEDS_VIDEO,
     MSG_WAITING,
 )
-from app.chat import (box_value, close_reasoning, error_message, history_to_messages, reply_for_display, reply_text,
+from app.chat import (box_value, error_message, history_to_messages, reply_for_display, reply_text,
                       strip_reasoning, user_content)
 from app.engine.settings import parse_flag
 from app.errors import UserError
@@ -112,6 +112,12 @@ def load_panel(snapshot: dict) -> str:
     return "  \n".join(lines)
 
 
+def page_update_interval(text: str) -> float:
+    """How long a reply of `text` goes without an update to the page: longer as it grows (each update
+    renders the whole reply again in the browser: app.tuning.CHAT_UPDATE_CHARS_PER_S)."""
+    return min(len(text) / tuning.CHAT_UPDATE_CHARS_PER_S, tuning.CHAT_UPDATE_MAX_INTERVAL_S)
+
+
 def waiting_message(ahead: int) -> dict:
     """Shown in place of the reply while the request waits in line; never part of the conversation."""
     text = MSG_WAITING.format(ahead=ahead)
@@ -124,10 +130,10 @@ def stopped_stats_message(stats: dict, notices: list[str]) -> dict:
     return {**message, "metadata": {**message["metadata"], "title": f"{MSG_STOPPED} · {message['metadata']['title']}"}}
 
 
-def _stopped_early(reply: dict) -> list[dict]:
-    """What stays of a reply stopped with no stats: its text, if any, with reasoning it cut off closed, and
-    the mark."""
-    said = [] if reply.get("metadata") or not reply["content"] else [{**reply, "content": close_reasoning(reply["content"])}]
+def _stopped_early(text: str) -> list[dict]:
+    """What stays of a reply stopped with no stats: its text (as reply_for_display finished it), if any,
+    and the mark."""
+    said = [{"role": "assistant", "content": text}] if text else []
     return said + [{"role": "assistant", "content": "", "metadata": {"title": MSG_STOPPED, "status": "done"}}]
 
 
@@ -147,8 +153,9 @@ def _refusal_of(paths: list[str]) -> dict | None:
 
 
 class Handlers:
-    def __init__(self, manager):
+    def __init__(self, manager, clock=time.monotonic):
         self.manager = manager
+        self.clock = clock  # what paces a reply's updates to the page (page_update_interval)
 
     def settings_from(self, overrides: dict):
         return self.manager.default_settings().with_overrides(overrides)
@@ -166,7 +173,7 @@ class Handlers:
             settings = self.settings_from(settings)
             messages = history_to_messages(history)
             history.append({"role": "assistant", "content": ""})
-            ended = False
+            ended, shown_at, latest = False, 0.0, None
             # closing(): when Gradio cancels this handler (a client gone), the stream's cleanup takes the
             # request out of the batch.
             with closing(self.manager.stream(messages, settings, stop)) as updates:
@@ -175,7 +182,10 @@ class Handlers:
                         history[-1] = waiting_message(update.waiting_ahead)
                         yield history
                         continue
-                    ended = update.stats is not None
+                    ended, latest = update.stats is not None, update
+                    if not ended and self.clock() - shown_at < page_update_interval(update.text):
+                        continue  # the next update, or the last, shows it
+                    shown_at = self.clock()
                     history[-1] = {"role": "assistant", "content": reply_for_display(
                         update.text, update.opens_thinking, finished=ended)}
                     if ended:
@@ -183,7 +193,8 @@ class Handlers:
                         history.append(lines(update.stats, update.notices))
                     yield history
             if not ended:  # stopped with no stats: before its first word, or by a server that gives none
-                yield history[:asked] + _stopped_early(history[asked])
+                said = "" if latest is None else reply_for_display(latest.text, latest.opens_thinking, finished=True)
+                yield history[:asked] + _stopped_early(said)
         except UserError as error:
             log_refusal(str(error))
             yield history[:asked] + [error_message(str(error))]
