@@ -16,6 +16,7 @@ import httpx
 import pytest
 from gradio_client import handle_file
 from mcp import ClientSession
+from mcp.shared.exceptions import McpError
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 
@@ -184,6 +185,16 @@ def test_a_question_about_an_uploaded_file(mcp_url, media, greedy):
     assert "is a video, and describe_image takes images: use ask_about_video" in refusal(described)
 
 
+async def no_prompt_nor_resource(url: str, transport: str, arguments: dict):
+    """Gradio's MCP server also answers for prompts and resources, of which there are none."""
+    async with mcp_session(url, transport) as session:
+        assert (await session.list_prompts()).prompts == [] and (await session.list_resources()).resources == []
+        with pytest.raises(McpError):
+            await session.read_resource(arguments["video"])
+        with pytest.raises(McpError):
+            await session.get_prompt("ask_about_video", arguments)
+
+
 class RecordingServer:
     """An HTTP server on loopback that serves an image to whoever asks, and notes every request."""
 
@@ -223,6 +234,7 @@ def test_links_are_refused_and_nothing_is_fetched(mcp_url, media, transport):
         for result in results[:-1]:
             assert LINK_REFUSED in refusal(result)
         assert "Unknown tool" in refusal(results[-1])
+        asyncio.run(no_prompt_nor_resource(mcp_url, transport, {"video": f"{recording.url}/prompt.mp4", "question": "Hi"}))
         time.sleep(0.2)
         assert recording.requests == []
         assert httpx.get(f"{recording.url}/probe").status_code == 200 and recording.requests == ["/probe"]  # it records
@@ -287,7 +299,10 @@ def test_the_mcp_routes_need_the_login(mcp_demo, mcp_url):
             assert http.post("/gradio_api/mcp/messages/?session_id=0", json=initialize).status_code == 401
             assert http.get("/gradio_api/mcp/schema").status_code == 401
         assert http.post("/gradio_api/mcp/", json=initialize, headers={**accept, **BASIC}).status_code == 200
-        assert http.get("/gradio_api/mcp/schema", headers=BASIC).status_code == 200
+        assert {tool["name"] for tool in http.get("/gradio_api/mcp/schema", headers=BASIC).json()} == TOOLS
+        # The MCP SDK bounds a request at 4 MiB: a larger inline file is uploaded first (docs/MCP.md).
+        too_large = {**initialize, "params": {**initialize["params"], "padding": "A" * 4 * 2**20}}
+        assert http.post("/gradio_api/mcp/", json=too_large, headers={**accept, **BASIC}).status_code == 413
         routes = set(served_routes(mcp_demo.app.routes))
         assert len(routes) > 50 and {("GET", "/gradio_api/mcp/sse"), ("GET", "/gradio_api/mcp/schema")} <= routes
         for method, path in sorted(routes - OPEN_ROUTES):
