@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from gradio_client import handle_file
-from mcp import ClientSession
+from mcp import ClientSession, types
 from mcp.shared.exceptions import McpError
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
@@ -318,9 +318,12 @@ def test_the_mcp_routes_need_the_login(mcp_demo, mcp_url):
     assert asyncio.run(listed_with_the_cookie()) == TOOLS
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_call_cancelled_leaves_the_batch(mcp_url, manager, media, greedy, monkeypatch, transport):
-    """The client gone mid-answer: its request leaves the running batch at once, long before 4,000 tokens."""
+@pytest.mark.parametrize("transport, how", [("streamable-http", "client gone"), ("sse", "client gone"),
+                                            ("sse", "notifications/cancelled")])
+def test_a_call_cancelled_leaves_the_batch(mcp_url, manager, media, greedy, monkeypatch, transport, how):
+    """The client gone mid-answer, or MCP's cancel (which a stateless streamable HTTP request cannot hear: it
+    comes in a request of its own), and the call's request leaves the running batch at once, long before 4,000
+    tokens; the session goes on."""
     long = greedy.with_overrides({"max_new_tokens": 4000, "min_new_tokens": 4000})
     monkeypatch.setattr(manager, "default_settings", lambda: long)
     stopped = manager.metrics.snapshot()["requests"]["stopped"]
@@ -328,11 +331,17 @@ def test_a_call_cancelled_leaves_the_batch(mcp_url, manager, media, greedy, monk
     async def run():
         async with mcp_session(mcp_url, transport) as session:
             call = asyncio.ensure_future(session.call_tool("describe_image", {"image": base64_of(media["red"])}))
-            started = await asyncio.to_thread(wait_for, lambda: manager.active_generations == 1, 60)
+            assert await asyncio.to_thread(wait_for, lambda: manager.active_generations == 1, 60)
+            if how == "client gone":
+                call.cancel()
+                return
+            cancel = types.CancelledNotificationParams(requestId=1, reason="the user changed their mind")  # after initialize's 0
+            await session.send_notification(types.ClientNotification(types.CancelledNotification(params=cancel)))
+            assert await asyncio.to_thread(wait_for, lambda: manager.active_generations == 0, 10)
+            assert {tool.name for tool in (await session.list_tools()).tools} == TOOLS
             call.cancel()
-            return started
 
-    assert asyncio.run(run())
+    asyncio.run(run())
     assert wait_for(lambda: manager.active_generations == 0, 10)
     assert wait_for(lambda: manager.metrics.snapshot()["requests"]["stopped"] == stopped + 1, 10)
 

@@ -12,8 +12,8 @@ process with the MCP request, where a queued one would go through a gradio_clien
 which cannot log in; the engine's line is the only one, as for every event (app.ui.layout). A tool answers
 as the chat does, through manager.stream with the server's default settings, and returns the answer's
 text. Its files, their checks and the reply are handled in a thread of Gradio's pool; a call cancelled
-(its client gone, or MCP's notifications/cancelled) sets the reply's StopSignal, which takes the request
-out of the batch.
+(its client gone, or MCP's notifications/cancelled over SSE) sets the reply's StopSignal, which takes the
+request out of the batch.
 """
 
 import contextlib
