@@ -4,6 +4,7 @@ reads the app's environment."""
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class AppConfig:
     backend: str = "transformers"
     openai_base_url: str = "http://127.0.0.1:8000/v1"
     openai_model: str = "openbmb/MiniCPM-V-4.6"
+    mcp: bool = False  # the model's MCP tools at /gradio_api/mcp/ (app.ui.mcp_tools)
     # A scraper's bearer token for /metrics (app.web.guard); from the environment only, so that it is not
     # shown in the process list, and left out of repr so that it is not logged.
     metrics_token: str | None = dataclasses.field(default=None, repr=False)
@@ -104,7 +106,7 @@ _OPTIONS = [
     ("--web-processes", "web_processes", "MINICPMV_WEB_PROCESSES", int,
      "Web server processes sharing the model, behind one address; more serve more users at once when one "
      "process's Python is the limit (200 users at once on a GPU box: 8). Not with --share, --auth, "
-     "--allow-model-switch, --in-process-engine or --backend openai."),
+     "--allow-model-switch, --mcp, --in-process-engine or --backend openai."),
     ("--front-processes", "front_processes", "MINICPMV_FRONT_PROCESSES", int,
      "With --web-processes above 1: processes relaying the public address's traffic to the web processes; "
      f"0: one for every {tuning.WEB_PROCESSES_PER_FRONT} web processes."),
@@ -154,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Run the model in the web server's process. Without it the model runs in a process "
                              "of its own, faster under load: the two do not share Python's GIL. "
                              "[env MINICPMV_IN_PROCESS_ENGINE]")
+    parser.add_argument("--mcp", action="store_true", default=_env_flag("MINICPMV_MCP"),
+                        help="Also serve the model as MCP tools (describe_image, ask_about_images, ask_about_video) "
+                             "at /gradio_api/mcp/ (streamable HTTP) and /gradio_api/mcp/sse, behind --auth like "
+                             "the rest. [env MINICPMV_MCP]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
                         help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")
     return parser
@@ -178,9 +184,12 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--front-processes is 0 (automatic) or more")
     if args.front_processes and args.web_processes == 1:  # one web process serves the address itself
         parser.error("--front-processes goes with --web-processes above 1")
+    if args.mcp and importlib.util.find_spec("mcp") is None:
+        parser.error("--mcp needs the mcp package: pip install -r requirements.txt")
     if args.web_processes > 1:
         # Login tokens and the model's cached defaults live in each web process; a share link reaches one port.
         clashes = [flag for flag, on in (("--share", args.share), ("--auth", args.auth), ("--allow-model-switch", args.allow_model_switch),
+                                         ("--mcp", args.mcp),  # an MCP SSE session lives in one process
                                          ("--in-process-engine", not args.engine_process),
                                          ("--backend openai", args.backend == "openai")) if on]
         if clashes:

@@ -7,6 +7,14 @@ MSG_STOPPED = "■ Stopped"  # marks a stopped reply (its stats line starts with
 MSG_UNSUPPORTED_FILE = "“{name}” is not a supported file. Images: {images}. Videos: {videos}."
 MSG_UPLOAD_GONE = "“{name}” is no longer on the server (uploads are deleted after a while): please attach it again."
 MSG_NOT_AN_UPLOAD = "“{name}” was not uploaded to this app: send files themselves, not links or server paths."
+MSG_FILE_TOO_LARGE = "“{name}” is {size_mb:,.1f} MB; the limit is {limit:,} MB."
+# The MCP tools' files (app.ui.inline_files): base64, or the path of an upload.
+MSG_INLINE_LINK = ("“{name}” is a link, and this app never fetches links: send the file itself as base64 (or a data: "
+                   "URL), or upload it (POST /gradio_api/upload) and send the path that returns.")
+MSG_INLINE_NOT_A_FILE = ("“{name}” is neither base64 data (or a data: URL) nor the path of a file uploaded to this app "
+                         "(POST /gradio_api/upload).")
+MSG_INLINE_WRONG_KIND = "“{name}” is {found}, and {tool} takes {wanted}: use {other} for it."
+MSG_INLINE_NO_IMAGES = "Send at least one image."
 MSG_UNREADABLE_IMAGE = "“{name}” could not be read as an image (the file is corrupt, truncated or not an image)."
 MSG_IMAGE_TOO_THIN = ("“{name}” is {width}x{height} pixels, longer than {limit} times its width or height. "
                       "Crop it, or pad it to a less extreme shape.")

@@ -21,6 +21,7 @@ def start_process(kind: str | None = None, on_sigterm: Callable[[], None] | None
     apply_environment()
     tag = f" [{kind}]" if kind else ""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s")
+    logging.getLogger("mcp").setLevel(logging.WARNING)  # --mcp: the MCP SDK logs a line for every request
     if kind is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if on_sigterm is not None:

@@ -15,7 +15,12 @@ def media_kind(path: str) -> str:
         return "image"
     if extension in limits.VIDEO_EXTENSIONS:
         return "video"
-    raise UserError(MSG_UNSUPPORTED_FILE.format(
+    raise unsupported_file(path)
+
+
+def unsupported_file(path: str) -> UserError:
+    """The refusal of a file that is neither a supported image nor a supported video."""
+    return UserError(MSG_UNSUPPORTED_FILE.format(
         name=os.path.basename(path),
         images=", ".join(limits.IMAGE_EXTENSIONS),
         videos=", ".join(limits.VIDEO_EXTENSIONS),

@@ -21,7 +21,7 @@ def uploaded_files_only(inputs, upload_folder: str) -> None:
     `upload_folder`."""
     folder = os.path.realpath(upload_folder)
     for path in _file_paths(inputs):
-        if not (isinstance(path, str) and _inside(path, folder)):
+        if not (isinstance(path, str) and inside_folder(path, folder)):
             raise refusal(MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))
 
 
@@ -36,7 +36,8 @@ def _file_paths(value):
             yield from _file_paths(item)
 
 
-def _inside(path: str, folder: str) -> bool:
+def inside_folder(path: str, folder: str) -> bool:
+    """Whether `path` lies inside `folder` (a real path) and is no folder, however it is spelled (`..`, links)."""
     if "\0" in path or not os.path.isabs(path):  # a relative path or "scheme:..." is never an upload's
         return False
     real = os.path.realpath(path)

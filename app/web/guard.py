@@ -2,12 +2,15 @@
 
 Gradio 6.31 checks the login route by route (a `login_check` dependency in gradio.routes.App.create_app)
 and leaves many routes open even with auth: FastAPI's /openapi.json, /gradio_api/cancel and /reset, the
-heartbeat, the stream routes, and any route added to the app (/metrics). LoginRequired, an ASGI
-middleware given to the app at launch, sits in front of all of them: a request passes only with a login
-Gradio issued (its access-token cookie, found in `App.tokens`, as gradio.routes' `get_current_user`
-looks it up), or when its path is one the login form needs before there is a login.
+heartbeat, the stream routes, and any route added to the app (/metrics, the MCP server's). LoginRequired,
+an ASGI middleware given to the app at launch, sits in front of all of them: a request passes only with a
+login Gradio issued (its access-token cookie, found in `App.tokens`, as gradio.routes' `get_current_user`
+looks it up), with the login itself as HTTP Basic (what an MCP client or a script can send: a header, not
+a form), or when its path is one the login form needs before there is a login.
 """
 
+import base64
+import binascii
 import hmac
 import inspect
 
@@ -37,6 +40,21 @@ def route_path(scope) -> str:
 def bearer_token(connection: HTTPConnection) -> str | None:
     scheme, _, token = connection.headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+def basic_login(connection: HTTPConnection, accounts) -> bool:
+    """Whether the request sends one of `accounts` ({user: password}, as gradio.routes.App keeps launch's
+    auth) as `Authorization: Basic base64(user:password)`. The app never asks for it (no Basic challenge),
+    so a browser never keeps it to send unasked."""
+    scheme, _, encoded = connection.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic" or not isinstance(accounts, dict):
+        return False
+    try:
+        user, colon, password = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return False
+    expected = accounts.get(user)
+    return bool(colon) and expected is not None and hmac.compare_digest(password.encode(), expected.encode())
 
 
 class LoginRequired:
@@ -79,6 +97,8 @@ async def logged_in(served, scope, connection: HTTPConnection) -> bool:
         if inspect.isawaitable(user):
             user = await user
         return user is not None
+    if basic_login(connection, served.auth):
+        return True
     token = (connection.cookies.get(f"access-token-{served.cookie_id}")
              or connection.cookies.get(f"access-token-unsecure-{served.cookie_id}"))
     return token is not None and served.tokens.get(token) is not None

@@ -50,6 +50,7 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
 
     from app.ui.cancellable import cancel_on_reset_route
     from app.ui.layout import CSS_PATH, build_demo
+    from app.ui.mcp_tools import mcp_addresses, serve_mcp_tools
     from app.web.uploads import UploadJanitor, upload_route
     from app.web.guard import LoginRequired
     from starlette.middleware import Middleware
@@ -59,6 +60,7 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     upload_folder = use_upload_folder(config)
     demo = build_demo(manager)  # caches its example media in the upload folder, which the janitor spares
     janitor = UploadJanitor(upload_folder)
+    mcp_app_kwargs = serve_mcp_tools(demo, manager, janitor) if config.mcp else {}
     # The engine keeps the only wait line (bounded, first come first served, with positions, and "busy"
     # past it): Gradio runs every generating request at once up to far more than that line holds
     # (handler_slots, the generating events' concurrency), so that none waits in Gradio's queue first or
@@ -72,6 +74,8 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
                 prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=True,
                 footer_links=["api", "gradio"], max_file_size=f"{limits.MAX_UPLOAD_MB}mb",
                 max_threads=slots + 40, enable_monitoring=False,
+                # Given either way: left None, Gradio reads GRADIO_MCP_SERVER (app.ui.mcp_tools).
+                mcp_server=config.mcp,
                 # Run history is a page the app does not link, and its routes have the server call the
                 # Hugging Face Hub for whoever asks.
                 run_history=False,
@@ -80,10 +84,13 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
                 # Gradio's routes, so that the upload route replaces Gradio's.
                 app_kwargs={"routes": [metrics_route(manager), upload_route(janitor), cancel_on_reset_route(demo)],
                             # Gradio checks the login route by route and misses some: this checks every request.
-                            "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token)]})
+                            "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token)],
+                            **mcp_app_kwargs})
     janitor.start(running=lambda: demo.is_running)
     if not quiet:
         print(f"* Running on {demo.local_url}" + ("" if config.share else " (--share for a public link)"), flush=True)
+        if config.mcp:
+            print(f"* MCP server: {mcp_addresses(demo.local_url)}", flush=True)
     started()  # Gradio and the UI: 166,000 objects, 0.18 s a full collection on the dev machine
     if not prevent_thread_lock:
         demo.block_thread()
