@@ -79,6 +79,10 @@ def contrast(one: str, other: str) -> float:
     return (high + 0.05) / (low + 0.05)
 
 
+def new_tokens(stats_line: str) -> int:
+    return int(re.search(r"([\d,]+) new tokens?", stats_line).group(1).replace(",", ""))
+
+
 def set_max_new_tokens(page, value: int) -> None:
     box = page.get_by_label("Max new tokens", exact=True)
     box.fill(str(value))
@@ -103,7 +107,8 @@ def test_each_tab_fills_the_window_with_its_input_at_the_bottom(browser, server_
     """The header is compact and the settings handle labelled, off the page's content; in every tab the chat
     takes the window's height down to its input, which with the reply controls under it ends the window, no
     scrolling needed (with three images in the gallery too); the camera sits above the chat's input, the
-    examples inside the empty chats, and the galleries' labels above their pictures."""
+    examples inside the empty chats, and the galleries' labels above their pictures. The Server load panel
+    is below, a link away."""
     height = WINDOWS[width]
     page = open_window(browser, server_url, width, theme)
     try:
@@ -140,6 +145,10 @@ def test_each_tab_fills_the_window_with_its_input_at_the_bottom(browser, server_
         page.get_by_role("tab", name="Chat").click()
         camera = rect(page, "#camera")
         assert bottom(rect(page, "#chat")) <= camera["y"] and bottom(camera) <= rect(page, "#chat-input")["y"]
+        if width > 768:  # a link beside the reply controls leads to the Server load panel, a scroll away
+            page.get_by_role("link", name="How busy is the server?").click()
+            assert wait_for(lambda: bottom(rect(page, "#server-load-panel")) <= height, 10)
+            page.evaluate("window.scrollTo(0, 0)")
         page.get_by_role("button", name="Settings").click()
         assert wait_for(lambda: page.get_by_label("Sample (off: greedy)").is_visible(), 10)
     finally:
@@ -156,9 +165,14 @@ def test_nothing_covers_the_messages(browser, server_url, width, theme):
         set_max_new_tokens(page, 300)
         page.locator("#chat-input input[type=file]").set_input_files(os.path.join("assets", "examples", "shapes.jpg"))
         page.wait_for_timeout(500)  # the upload finishes before sending
-        ask(page, "#chat-input", "#chat", "What is in this picture?", 1)
         messages = page.locator("#chat .bubble-wrap")
-        assert messages.evaluate("e => e.scrollHeight > e.clientHeight + 200")  # it scrolls
+        for replies in range(1, 5):  # a sampled reply of the random model may end early: until the chat scrolls
+            ask(page, "#chat-input", "#chat", "What is in this picture?" if replies == 1 else "And then?", replies)
+            if messages.evaluate("e => e.scrollHeight > e.clientHeight + 200"):
+                break
+        assert messages.evaluate("e => e.scrollHeight > e.clientHeight + 200")
+        widest = max(box["width"] for box in rects(page, "#chat .bot-row"))
+        assert widest >= 0.75 * rect(page, "#chat")["width"], widest  # replies use the chat's width, on a phone too
         scrolled_area = rect(page, "#chat .bubble-wrap")
         label, buttons = rect(page, "#chat > .wrapper > [data-testid=block-label]"), rect(page, "#chat > .wrapper > .top-panel")
         assert not overlap(label, scrolled_area) and not overlap(buttons, scrolled_area)
@@ -199,7 +213,7 @@ def test_the_stats_line_is_legible_and_opens_on_a_table(browser, server_url, wid
         stats = page.locator("#chat .thought-group:has(.reply-stats)")
         title = stats.locator(".title .md")
         assert STATS.match(title.inner_text().strip()), title.inner_text()
-        assert "6 new tokens" in title.inner_text()
+        assert new_tokens(title.inner_text()) <= 6  # the limit set beside the input (the random model may end sooner)
         text, line = page.locator("#chat .user .md").first.evaluate(LOOKS), title.evaluate(LOOKS)
         assert line["size"] >= 0.95 * text["size"] and line["opacity"] >= 0.99, (line, text)
         assert contrast(line["colour"], line["behind"]) >= 4.5, line
@@ -221,6 +235,7 @@ def test_the_stats_line_is_legible_and_opens_on_a_table(browser, server_url, wid
         assert wait_for(lambda: page.locator("#multi-input textarea").input_value() != "", 20)
         assert page.get_by_label("Thinking", exact=True).is_checked()
         ask(page, "#multi-input", "#multi-chat", "What changed?", 1)
-        assert "6 new tokens" in page.locator("#multi-chat .thought-group:has(.reply-stats)").inner_text()
+        assert new_tokens(page.locator("#multi-chat .thought-group:has(.reply-stats)").inner_text()) <= 6
+        assert page.locator("#multi-chat .thought-group:not(:has(.reply-stats))").count() >= 1  # it reasoned
     finally:
         page.close()

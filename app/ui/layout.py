@@ -186,10 +186,10 @@ def _multi_image_tab() -> SimpleNamespace:
                                  columns=4, height=220, label="Images, in the order the model sees them",
                                  elem_id="multi-gallery")
             selected = gr.State(None)
-            with gr.Row(elem_classes="gallery-buttons"):
-                earlier = gr.Button("◀ Move earlier", size="sm", min_width=0)
-                later = gr.Button("Move later ▶", size="sm", min_width=0)
-                remove = gr.Button("✕ Remove", size="sm", min_width=0)
+            with gr.Row():
+                earlier = gr.Button("◀ Move earlier", size="sm")
+                later = gr.Button("Move later ▶", size="sm")
+                remove = gr.Button("✕ Remove", size="sm")
             pictures, costs = _image_previews("multi", MSG_MULTI_IMAGE_HINT)
         with gr.Column(elem_classes="chat-pane"):
             chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",

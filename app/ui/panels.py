@@ -51,6 +51,7 @@ def reply_controls(defaults, thinking_by_default: bool) -> dict:
     """The two settings changed most, under every tab's input: one component each, after the tabs, so that
     all tabs share them."""
     with gr.Row(elem_id="reply-controls"):
+        gr.Markdown("[How busy is the server? ↓](#server-load-panel)", elem_id="to-server-load")  # its panel is a scroll away
         return {
             # The checkpoint's template's own default (ModelInfo.thinking_by_default), until the user says.
             "enable_thinking": gr.Checkbox(value=thinking_by_default, label="Thinking", container=False,
