@@ -93,10 +93,8 @@ MSG_VIDEO_BROWSER_COPY = ("The player shows a copy made for the browser (WebM, a
                           "to {fps} frames a second). The model reads your file.")
 MSG_VIDEO_NO_BROWSER_COPY = ("Browsers cannot play this file's video codec ({codec}), and no copy could be made for "
                              "the player. The model reads your file: the frames below are what it sees.")
-MSG_RANDOM_WEIGHTS = (
-    "⚠️ **Random weights.** This is the tiny random-weight MiniCPM-V 4.6 built for tests: replies are "
-    "meaningless tokens. Start with `--model openbmb/MiniCPM-V-4.6` for real answers."
-)
+MSG_RANDOM_WEIGHTS = "⚠️ **Random weights:** replies are noise. For real answers: `--model openbmb/MiniCPM-V-4.6`"
+MSG_SETTINGS = "Settings"  # the settings sidebar's name, on the control that opens it
 MSG_NO_GPU = "GPU memory: no GPU"
 MSG_SHARE_WITHOUT_AUTH = (
     "\n" + "!" * 78 + "\n"

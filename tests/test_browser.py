@@ -43,9 +43,10 @@ def page(browser, server_url):
 
 
 def set_max_new_tokens(page, value: int) -> None:
-    """As a user does it: in the settings sidebar."""
+    """As a user does it: beside the input. The settings sidebar is opened too, for the other settings the
+    tests after it change."""
     page.locator(".sidebar .toggle-button").first.click()
-    box = page.get_by_label("number input for Max new tokens")
+    box = page.get_by_label("Max new tokens", exact=True)
     box.fill(str(value))
     box.press("Enter")
 
@@ -196,7 +197,7 @@ def test_closing_the_tab_stops_generation(browser, server_url, manager):
 def test_a_reply_that_ends_while_reasoning_leaves_no_spinner(browser, server_url):
     page = open_page(browser, server_url)
     set_max_new_tokens(page, 24)  # the limit comes inside the reasoning block
-    page.get_by_label("Thinking (reason before answering)").check()
+    page.get_by_label("Thinking", exact=True).check()
     page.locator("#chat-input textarea").fill("Think it through.")
     page.locator("#chat-input textarea").press("Enter")
     page.get_by_text(STATS_LINE).wait_for(timeout=30_000)
@@ -212,7 +213,7 @@ def test_stopping_a_reply_while_it_reasons_leaves_no_spinner(browser, server_url
     set_max_new_tokens(page, 4000)
     # Greedy: a sampled reply of the random model can close its reasoning within its first tokens (CI, once).
     page.get_by_label("Sample (off: greedy)").uncheck()
-    page.get_by_label("Thinking (reason before answering)").check()
+    page.get_by_label("Thinking", exact=True).check()
     page.locator("#chat-input textarea").fill("Think about it for a long time.")
     page.locator("#chat-input textarea").press("Enter")
     reasoning = page.locator("#chat .thought-group")

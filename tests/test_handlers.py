@@ -42,7 +42,7 @@ def test_chat_turn_streams_then_adds_stats(handlers, manager, red_image):
     reply, stats = final[-2], final[-1]
     assert reply["role"] == "assistant" and reply["content"]
     assert stats["metadata"]["title"].startswith("640 visual tokens")
-    assert "Images: #1 640 tokens." in stats["content"]
+    assert "| Images | #1 640 tokens |" in stats["content"]
 
 
 def test_text_only_follow_up_keeps_the_image(handlers, manager, red_image):
@@ -212,7 +212,7 @@ def test_multi_image_order_costs_and_questions(handlers, manager, tmp_path):
     history, box = handlers.add_multi_image_question("What changed?", moved, [])
     assert [m["content"] for m in history] == [{"path": paths[0]}, {"path": paths[2]}, {"path": paths[1]}, "What changed?"]
     _, history = run(handlers, manager, history)
-    assert "Images: #1 640, #2 578, #3 64 tokens." in history[-1]["content"]
+    assert "| Images | #1 640, #2 578, #3 64 tokens |" in history[-1]["content"]
     history, _ = handlers.add_multi_image_question("And now?", moved, history)
     assert history[-1] == {"role": "user", "content": "And now?"}  # follow-up: images are not attached twice
     history, box = handlers.add_multi_image_question("Hi", [], [])
@@ -253,11 +253,11 @@ def test_the_stats_say_when_preprocessing_waited_for_a_free_preparer():
              "image_tokens": [640], "video_frames": 0, "video_tokens": 0, "preprocess_ms": 700.0, "queue_ms": 100.0,
              "total_ms": 1200.0}
     waiting = {"to_preparer": 400.0, "for_a_worker": 120.0, "work": 70.0, "way_back": 2.0, "staging": 1.0}
-    assert "Preprocessing 700 ms (520 of them waiting for a free preparer), waiting for the model 100 ms" in \
+    assert "| Preprocessing | 700 ms (520 ms of it waiting for a free preparer) |\n| Waiting for the model | 100 ms |" in \
         stats_message({**stats, "preparation_ms": waiting}, [])["content"]
     idle = {**waiting, "to_preparer": 0.5, "for_a_worker": 0.1}
     for quiet in ({**stats, "preparation_ms": idle}, stats):  # no wait worth saying; an external server's stats
-        assert "Preprocessing 700 ms, waiting for the model 100 ms" in stats_message(quiet, [])["content"]
+        assert "| Preprocessing | 700 ms |\n| Waiting for the model | 100 ms |" in stats_message(quiet, [])["content"]
 
 
 def test_an_empty_question_is_told_what_its_tab_takes(handlers):

@@ -15,6 +15,7 @@ from app.messages import (
     MSG_EMPTY_QUESTION,
     MSG_EMPTY_REQUEST,
     MSG_MULTI_IMAGE_NEEDS_IMAGES,
+    MSG_RANDOM_WEIGHTS,
     MSG_SETTINGS_NOT_OBJECT,
     MSG_STOPPED,
     MSG_SWITCH_OFF,
@@ -65,34 +66,49 @@ def _check_upload(path: str) -> None:
 
 
 def model_header(info) -> str:
+    """The page's title line: the model, where it runs, its size; and a warning if its weights are random."""
     if info.parameters is None:
-        return f"# MiniCPM-V\nModel **{info.name}**, served by the OpenAI-compatible server at `{info.path}`"
+        return f"# MiniCPM-V\n**{info.name}**, served by the OpenAI-compatible server at `{info.path}`"
     memory = f"{info.weight_bytes / 2**30:.2f} GiB" if info.weight_bytes >= 2**30 else f"{info.weight_bytes / 2**20:.1f} MiB"
     warmup = f" · warm-up {info.warmup_s:.2f} s" if info.warmup_s is not None else ""
     gpu = f" · {info.gpu_memory_bytes / 2**30:.2f} GiB of GPU memory in use" if info.gpu_memory_bytes is not None else ""
-    return (f"# MiniCPM-V\nModel **{info.name}** (`{info.model_type}`) on **{info.device}** · {info.dtype} · "
-            f"{info.parameters / 1e6:,.2f} M parameters · {memory} of weights{gpu}{warmup}")
+    warning = f"\n\n> {MSG_RANDOM_WEIGHTS}" if info.random_weights else ""
+    return (f"# MiniCPM-V\n**{info.name}** (`{info.model_type}`) on **{info.device}** · {info.dtype} · "
+            f"{info.parameters / 1e6:,.2f} M parameters · {memory} of weights{gpu}{warmup}{warning}")
+
+
+def _duration(ms: float) -> str:
+    return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.2f} s"
 
 
 def stats_message(stats: dict, notices: list[str]) -> dict:
-    """A collapsible line under the reply: the reader sees it, the model never does (it has metadata)."""
-    speed = f" · {stats['tokens_per_s']:.0f} tok/s" if stats["tokens_per_s"] else ""
+    """A line under the reply, opening on a small table: the reader sees it, the model never does (it has
+    metadata). The empty span ending its title tells the page's style (assets/style.css) the line from a
+    reasoning block, which looks the same to Gradio."""
+    new = f"{stats['new_tokens']:,} new token{'s' if stats['new_tokens'] != 1 else ''}"
+    speed = f" at {stats['tokens_per_s']:,.0f} tokens/s" if stats["tokens_per_s"] else ""
     # An external server counts visual and prompt tokens itself (None here).
     visual = f"{stats['visual_tokens']:,} visual tokens · " if stats["visual_tokens"] is not None else ""
-    title = f"{visual}first token {stats['ttft_ms']:.0f} ms{speed} · {stats['new_tokens']} new tokens"
-    details = [f"Prompt: {stats['prompt_tokens']:,} tokens."] if stats["prompt_tokens"] is not None else []
+    line = f"{visual}first token after {_duration(stats['ttft_ms'])} · {new}{speed}"
+    rows = [("Prompt", f"{stats['prompt_tokens']:,} tokens")] if stats["prompt_tokens"] is not None else []
     if stats["image_tokens"]:
-        details.append("Images: " + ", ".join(f"#{i + 1} {n:,}" for i, n in enumerate(stats["image_tokens"])) + " tokens.")
+        rows.append(("Images", ", ".join(f"#{i + 1} {n:,}" for i, n in enumerate(stats["image_tokens"])) + " tokens"))
     if stats["video_frames"]:
         tokens = f", {stats['video_tokens']:,} tokens" if stats["video_tokens"] is not None else ""
-        details.append(f"Video: {stats['video_frames']} frames{tokens}.")
+        rows.append(("Video", f"{stats['video_frames']} frames{tokens}"))
     stages = stats.get("preparation_ms") or {}  # an external server's replies have none
     waited = stages.get("to_preparer", 0) + stages.get("for_a_worker", 0)
-    busy = f" ({waited:.0f} of them waiting for a free preparer)" if waited >= tuning.PREPARATION_WAIT_SHOWN_MS else ""
-    queued = f"waiting for the model {stats['queue_ms']:.0f} ms, " if stats["queue_ms"] is not None else ""
-    details.append(f"Preprocessing {stats['preprocess_ms']:.0f} ms{busy}, {queued}total {stats['total_ms'] / 1000:.2f} s.")
-    details.extend(notices)
-    return {"role": "assistant", "content": "\n\n".join(details), "metadata": {"title": title, "status": "done"}}
+    busy = f" ({_duration(waited)} of it waiting for a free preparer)" if waited >= tuning.PREPARATION_WAIT_SHOWN_MS else ""
+    rows.append(("Preprocessing", _duration(stats["preprocess_ms"]) + busy))
+    if stats["queue_ms"] is not None:  # a stopped reply's is not known
+        rows.append(("Waiting for the model", _duration(stats["queue_ms"])))
+    rows += [
+             ("First token", _duration(stats["ttft_ms"])),
+             ("Total", _duration(stats["total_ms"]))]
+    # A table without a header (an empty one, which the style hides): each row names itself.
+    table = "\n".join(["| | |", "|:--|:--|", *(f"| {name} | {value} |" for name, value in rows)])
+    return {"role": "assistant", "content": "\n\n".join([table, *notices]),
+            "metadata": {"title": f'{line}<span class="reply-stats"></span>', "status": "done"}}
 
 
 def load_panel(snapshot: dict) -> str:

@@ -6,15 +6,14 @@ from types import SimpleNamespace
 import gradio as gr
 
 from app import limits, tuning
-from app.messages import MSG_MULTI_IMAGE_HINT, MSG_RANDOM_WEIGHTS, MSG_VIDEO_HINT
+from app.messages import MSG_MULTI_IMAGE_HINT, MSG_VIDEO_HINT
 from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import handler_slots
 from app.media.files import BROWSER_COPY_SUFFIX
-from app.model.checkpoint.presets import PRESETS
 from app.ui.cancellable import StopControl
 from app.ui.file_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, model_header, settings_dict
-from app.ui.load_charts import load_charts
+from app.ui.panels import LABEL_SETTINGS_TOGGLE, below_the_tabs, reply_controls, settings_sidebar
 from app.ui.previews import Previews, ShownVideo
 from app.ui.replying import MODEL_EVENTS, streaming, wire_answer, wire_question, wire_stop
 
@@ -22,44 +21,6 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
 EXAMPLES = os.path.join(ASSETS, "examples")
 CSS_PATH = os.path.join(ASSETS, "style.css")
 SLICING_KEYS = ("max_slice_nums", "downsample_mode", "visual_token_budget")  # the settings an image's cut depends on
-# Checked with the real processors (tests/test_budget.py): 4.6's 14-px patches make a 448x448 view 64 tokens in
-# "16x", 4.7's 16-px ones 49; a slice's count follows its shape (a 1920x1080 image: 66 + 2x4 x 64 = 578).
-SLICES_INFO = ("An image is seen whole (its source view, about 448×448) and, if larger, in up to this many slices "
-               "of about 448×448, in a grid that follows its shape. Each view is about 64 tokens in 16x (49 with "
-               "MiniCPM-V 4.7): 1344×1344 at 9 slices is 64 + 3×3 × 64 = 640. Attached images show their cut.")
-
-
-def _settings_sidebar(defaults, thinking_by_default: bool) -> dict:
-    with gr.Sidebar(label="Settings", open=False):
-        gr.Markdown("### Decoding")
-        components = {
-            "max_new_tokens": gr.Slider(1, limits.MAX_NEW_TOKENS_LIMIT, value=defaults.max_new_tokens, step=1, label="Max new tokens"),
-            "do_sample": gr.Checkbox(value=defaults.do_sample, label="Sample (off: greedy)"),
-            "temperature": gr.Slider(limits.MIN_SAMPLING_TEMPERATURE, 2.0, value=defaults.temperature, step=0.01, label="Temperature"),
-            "top_p": gr.Slider(0.01, 1.0, value=defaults.top_p, step=0.01, label="Top-p"),
-            "top_k": gr.Slider(0, 200, value=defaults.top_k, step=1, label="Top-k (0: off)"),
-            "repetition_penalty": gr.Slider(1.0, 2.0, value=defaults.repetition_penalty, step=0.01, label="Repetition penalty"),
-            # The checkpoint's template's own default (ModelInfo.thinking_by_default), until the user says.
-            "enable_thinking": gr.Checkbox(value=thinking_by_default, label="Thinking (reason before answering)"),
-        }
-        gr.Markdown("### Visual tokens")
-        detail = gr.Radio(["Standard", "High detail"], value="Standard", label="Image detail", elem_id="image-detail",
-                          info=f"High detail: up to {limits.HIGH_DETAIL_SLICE_NUMS} slices per image, for documents, "
-                               f"small text and large photos (more visual tokens: slower).")
-        components.update({
-            "max_slice_nums": gr.Slider(1, limits.MAX_SLICE_NUMS, value=defaults.max_slice_nums, step=1,
-                                        label="Max slices per image", info=SLICES_INFO),
-            "downsample_mode": gr.Radio(list(limits.DOWNSAMPLE_MODES), value=defaults.downsample_mode, label="Downsampling",
-                                        info="4x keeps 4 times more tokens per view: finer detail, slower."),
-            "visual_token_budget": gr.Slider(64, limits.MAX_VISUAL_TOKEN_BUDGET, value=defaults.visual_token_budget, step=64,
-                                             label="Visual token budget per request",
-                                             info="Shared by all images; slices are lowered to fit."),
-        })
-    standard = (defaults.max_slice_nums, defaults.visual_token_budget)
-    high = (limits.HIGH_DETAIL_SLICE_NUMS, max(defaults.visual_token_budget, limits.HIGH_DETAIL_VISUAL_TOKEN_BUDGET))
-    detail.change(lambda choice: high if choice == "High detail" else standard, [detail],
-                  [components["max_slice_nums"], components["visual_token_budget"]], api_visibility="private", queue=False)
-    return components
 
 
 def _video_controls(defaults) -> dict:
@@ -72,28 +33,52 @@ def _video_controls(defaults) -> dict:
         }
 
 
-def _chatbot(label: str, placeholder: str, elem_id: str) -> gr.Chatbot:
-    return gr.Chatbot(label=label, height=480, placeholder=placeholder, reasoning_tags=[(THINK_OPEN, THINK_CLOSE)],
-                      buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id)
+def _chatbot(label: str, placeholder: str, elem_id: str, examples: list[tuple[str, list[str]]]) -> gr.Chatbot:
+    """A chat that fills the height it is given (assets/style.css), with `examples` (text, files) to click
+    while it is empty."""
+    return gr.Chatbot(label=label, height=None, placeholder=placeholder, reasoning_tags=[(THINK_OPEN, THINK_CLOSE)],
+                      buttons=["copy", "copy_all"], feedback_options=None, elem_id=elem_id, elem_classes="chat",
+                      examples=[{"text": text, "files": [os.path.join(EXAMPLES, name) for name in files]}
+                                for text, files in examples])
+
+
+def _fill_from_examples(chat: gr.Chatbot, outputs: list, fill) -> None:
+    """A click on one of `chat`'s examples puts it into `outputs`: `fill(text, paths)` gives their values.
+    Only the example's index is taken from the page, never a path: the paths are the examples' own
+    copies in Gradio's cache (made when the chat was built)."""
+    skipped = gr.skip() if len(outputs) == 1 else tuple(gr.skip() for _ in outputs)
+
+    def chosen(event: gr.SelectData):
+        if not (isinstance(event.index, int) and 0 <= event.index < len(chat.examples)):
+            return skipped
+        example = chat.examples[event.index]
+        return fill(example["text"], [file["path"] for file in example["files"]])
+
+    chat.example_select(chosen, None, outputs, api_visibility="private", queue=False)
 
 
 def build_demo(manager) -> gr.Blocks:
-    """The whole page: the header and side panels, one builder per tab, then each tab's events."""
+    """The whole page: the header, the tabs and the reply controls under them filling the window, the
+    panels below; then each tab's events."""
     handlers, previews = Handlers(manager), Previews(manager)
-    defaults = manager.default_settings()
+    defaults, info = manager.default_settings(), manager.info()
     # Every generating request reaches the engine at once (its batch and wait line, and far more beyond:
     # handler_slots), so that the engine's line is the only one: it orders them, reports their places,
     # and answers "busy" at once past its end.
     concurrency = handler_slots(manager.config)
 
     with UploadsOnlyBlocks(title="MiniCPM-V demo") as demo:
-        header, sidebar = _header_and_panels(manager, handlers, defaults)
-        with gr.Tabs():
-            chat = _chat_tab()
-            multi = _multi_image_tab()
-            video = _video_tab(defaults)
+        sidebar = settings_sidebar(defaults)
+        with gr.Column(elem_id="workspace"):
+            header = gr.Markdown(model_header(info), elem_id="model-header")
+            with gr.Tabs(elem_id="tabs"):
+                chat = _chat_tab()
+                multi = _multi_image_tab()
+                video = _video_tab(defaults)
+            replies = reply_controls(defaults, info.thinking_by_default)
+        below_the_tabs(manager, handlers, header, replies["enable_thinking"])
         api = _api_components()
-        settings = [{**sidebar, **video.settings}[key] for key in SETTING_KEYS]
+        settings = [{**sidebar, **replies, **video.settings}[key] for key in SETTING_KEYS]
         wiring = SimpleNamespace(blocks=demo, handlers=handlers, previews=previews, settings=settings,
                                  concurrency=concurrency, slicing=[sidebar[key] for key in SLICING_KEYS],
                                  previewing={"concurrency_id": "image-previews", "concurrency_limit": tuning.PREVIEWS_AT_ONCE})
@@ -101,58 +86,27 @@ def build_demo(manager) -> gr.Blocks:
         _wire_multi_image(wiring, multi)
         _wire_video(wiring, video)
         demo.load(lambda: model_header(manager.info()), None, [header], api_visibility="private")
+        demo.load(None, js=LABEL_SETTINGS_TOGGLE, api_visibility="private")
         _wire_api(wiring, api)
     return demo
 
 
-def _header_and_panels(manager, handlers: Handlers, defaults) -> tuple[gr.Markdown, dict]:
-    """The model's header, the settings sidebar, the server-load panel and (if allowed) the model switch."""
-    info = manager.info()
-    header = gr.Markdown(model_header(info), elem_id="model-header")
-    if info.random_weights:
-        gr.Markdown(MSG_RANDOM_WEIGHTS, elem_id="random-weights")
-    sidebar = _settings_sidebar(defaults, info.thinking_by_default)
-    with gr.Accordion("Server load", open=False) as load_accordion:
-        load = [gr.Markdown(elem_id="server-load"), *load_charts(on_gpu=info.gpu_memory_bytes is not None)]
-    # Filled when opened, then refreshed as often as the engine samples, only while someone has the panel
-    # open: hundreds of idle tabs should not poll.
-    load_timer = gr.Timer(tuning.LOAD_SAMPLE_S, active=False)
-    load_timer.tick(handlers.server_load, None, load, api_visibility="private", show_progress="hidden", queue=False)
-    load_accordion.expand(lambda: [gr.Timer(active=True), *handlers.server_load()], None, [load_timer, *load],
-                          api_visibility="private", show_progress="hidden", queue=False)
-    load_accordion.collapse(lambda: gr.Timer(active=False), None, [load_timer], api_visibility="private", queue=False)
-    if manager.config.allow_model_switch:
-        with gr.Accordion("Model", open=False):
-            model_choice = gr.Dropdown(
-                [(preset.label, preset.model) for preset in PRESETS], value=info.name, allow_custom_value=True,
-                label="Checkpoint", info="A preset, any Hub id or a local folder. Changes the model for everyone.")
-            load_model = gr.Button("Load this model")
-        # One switch at a time, in a group of its own: a concurrency group's limit is the lowest any of
-        # its events asks for (gradio.queueing.Queue.create_event_queue_for_fn), so in MODEL_EVENTS a
-        # switch's 1 held every reply after it to one at a time. Replies wait for a switch in the engine.
-        # The new checkpoint's header, and its template's thinking default on the switch.
-        load_model.click(handlers.switch_model, [model_choice], [header, sidebar["enable_thinking"]],
-                         concurrency_id="model-switch", concurrency_limit=1, api_visibility="private")
-    return header, sidebar
-
-
 def _chat_tab() -> SimpleNamespace:
-    with gr.Tab("Chat", id="chat"):
-        chat = _chatbot("Chat", "Ask anything, or attach photos (upload, paste, or the camera below).", "chat")
+    with gr.Tab("Chat", id="chat", elem_classes="chat-tab"):
+        chat = _chatbot("Chat", "Ask anything, or attach photos: upload or paste them into the box, or take one with "
+                        "the Camera.", "chat", [("What is in this picture?", ["shapes.jpg"]),
+                                                ("Read the text in this image.", ["sign.jpg"])])
+        with gr.Column(scale=0, elem_id="chat-attachments"):  # shares the height with the chat (assets/style.css)
+            pictures, costs = _image_previews("chat")
+        with gr.Accordion("Camera", open=False, elem_id="camera"):
+            camera = gr.Image(sources=["webcam", "clipboard"], type="filepath", label="Photo for the next message")
         box = gr.MultimodalTextbox(
             file_count="multiple", file_types=list(limits.IMAGE_EXTENSIONS), sources=["upload"],
             placeholder="Message MiniCPM-V… (attach or paste images)", autofocus=True,
             show_label=False, elem_id="chat-input",
         )
-        pictures, costs = _image_previews("chat")
         attached = gr.Textbox(visible="hidden")  # what the previews show (ATTACHMENTS_KEY)
-        with gr.Accordion("Camera", open=False):
-            camera = gr.Image(sources=["webcam", "clipboard"], type="filepath", label="Photo for the next message")
-        gr.Examples(
-            examples=[[{"text": "What is in this picture?", "files": [os.path.join(EXAMPLES, "shapes.jpg")]}],
-                      [{"text": "Read the text in this image.", "files": [os.path.join(EXAMPLES, "sign.jpg")]}]],
-            inputs=[box], label="Examples",
-        )
+    _fill_from_examples(chat, [box], lambda text, paths: {"text": text, "files": paths})
     return SimpleNamespace(chat=chat, box=box, camera=camera, pictures=pictures, costs=costs, attached=attached)
 
 
@@ -160,48 +114,50 @@ def _image_previews(tab: str, hint: str | None = None) -> tuple[gr.Gallery, gr.M
     """Each image as the model will see it (its source view and slices), and what the images cost (or `hint`)."""
     pictures = gr.Gallery(label="What the model will see", visible=False, columns=3, height="auto", object_fit="contain",
                           interactive=False, buttons=["fullscreen"], elem_id=f"{tab}-previews", elem_classes="seen-by-model")
-    return pictures, gr.Markdown(hint, visible=hint is not None, elem_id=f"{tab}-costs")
+    return pictures, gr.Markdown(hint, visible=hint is not None, elem_id=f"{tab}-costs", elem_classes="costs")
 
 
 def _multi_image_tab() -> SimpleNamespace:
-    with gr.Tab("Multi-image", id="multi"):
-        gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
-                             columns=4, height=260, label="Images, in the order the model sees them",
-                             elem_id="multi-gallery")
-        selected = gr.State(None)
-        with gr.Row():
-            earlier = gr.Button("◀ Move earlier", size="sm")
-            later = gr.Button("Move later ▶", size="sm")
-            remove = gr.Button("✕ Remove", size="sm")
-        pictures, costs = _image_previews("multi", MSG_MULTI_IMAGE_HINT)
-        chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",
-                        "multi-chat")
-        box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True,
-                         show_label=False, elem_id="multi-input")
-        gr.Examples(
-            examples=[[[os.path.join(EXAMPLES, "shapes.jpg"), os.path.join(EXAMPLES, "shapes-moved.jpg")],
-                       "What changed between the two images?"]],
-            inputs=[gallery, box], label="Examples",
-        )
+    """The images and their previews beside the conversation (above it on a phone)."""
+    with gr.Tab("Multi-image", id="multi"), gr.Row(elem_classes="media-and-chat"):
+        with gr.Column(elem_classes="media-pane"):
+            gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
+                                 columns=4, height=220, label="Images, in the order the model sees them",
+                                 elem_id="multi-gallery")
+            selected = gr.State(None)
+            with gr.Row():
+                earlier = gr.Button("◀ Move earlier", size="sm")
+                later = gr.Button("Move later ▶", size="sm")
+                remove = gr.Button("✕ Remove", size="sm")
+            pictures, costs = _image_previews("multi", MSG_MULTI_IMAGE_HINT)
+        with gr.Column(elem_classes="chat-pane"):
+            chat = _chatbot("Conversation about these images", "Compare them, find the differences, ask what changed.",
+                            "multi-chat", [("What changed between the two images?", ["shapes.jpg", "shapes-moved.jpg"])])
+            box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True,
+                             show_label=False, elem_id="multi-input")
+    _fill_from_examples(chat, [gallery, box], lambda text, paths: (paths, text))
     return SimpleNamespace(gallery=gallery, selected=selected, earlier=earlier, later=later, remove=remove,
                            pictures=pictures, costs=costs, chat=chat, box=box)
 
 
 def _video_tab(defaults) -> SimpleNamespace:
-    with gr.Tab("Video", id="video"):
-        video = gr.Video(sources=["upload"], label="Video", height=320, elem_id="video-player")
-        note = gr.Markdown(visible=False, elem_id="video-player-note")
-        settings = _video_controls(defaults)
-        info = gr.Markdown(MSG_VIDEO_HINT, elem_id="video-sampling")
-        shown = gr.State(ShownVideo())
-        frames = gr.Gallery(label="The frames the model will see", visible=False, columns=8, height="auto",
-                            object_fit="contain", interactive=False, buttons=["fullscreen"], elem_id="video-frames",
-                            elem_classes="seen-by-model")
-        chat = _chatbot("Conversation about the video", "Ask what happens in the video.", "video-chat")
-        box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True,
-                         show_label=False, elem_id="video-input")
-        gr.Examples(examples=[[os.path.join(EXAMPLES, "ball.webm"), "Describe what happens in this video."]],
-                    inputs=[video, box], label="Examples")
+    """The video, its sampling and frames beside the conversation (above it on a phone)."""
+    with gr.Tab("Video", id="video"), gr.Row(elem_classes="media-and-chat"):
+        with gr.Column(elem_classes="media-pane"):
+            video = gr.Video(sources=["upload"], label="Video", height=280, elem_id="video-player")
+            note = gr.Markdown(visible=False, elem_id="video-player-note")
+            settings = _video_controls(defaults)
+            info = gr.Markdown(MSG_VIDEO_HINT, elem_id="video-sampling")
+            shown = gr.State(ShownVideo())
+            frames = gr.Gallery(label="The frames the model will see", visible=False, columns=8, height="auto",
+                                object_fit="contain", interactive=False, buttons=["fullscreen"], elem_id="video-frames",
+                                elem_classes="seen-by-model")
+        with gr.Column(elem_classes="chat-pane"):
+            chat = _chatbot("Conversation about the video", "Ask what happens in the video.", "video-chat",
+                            [("Describe what happens in this video.", ["ball.webm"])])
+            box = gr.Textbox(placeholder="Ask about the video…", submit_btn=True,
+                             show_label=False, elem_id="video-input")
+    _fill_from_examples(chat, [video, box], lambda text, paths: (paths[0], text))
     return SimpleNamespace(video=video, note=note, settings=settings, info=info, frames=frames, chat=chat, box=box,
                            shown=shown)
 
