@@ -21,7 +21,7 @@ from app.messages import (
 from app.chat import history_to_messages
 from app.errors import UserError
 from app.media.budget import ImageSlicing, SlicePlan
-from app.media.files import is_browser_copy, shown_name, source_of
+from app.media.files import shown_name, source_of
 from app.media.images import load_thumbnail
 from app.media.playback import browser_copy, browser_plays, codec
 from app.media.video import sample_video
