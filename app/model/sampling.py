@@ -101,18 +101,29 @@ def _sample(logits: torch.Tensor, rows: list[RowSettings], generators: list) -> 
     probabilities = ordered.softmax(dim=-1)
     mass_before = probabilities.cumsum(dim=-1) - probabilities
     ordered = ordered.masked_fill((mass_before > top_p) & (rank > 0), float("-inf"))
-    picks = _draw(ordered.softmax(dim=-1), generators)
-    return torch.where(picks < 0, picks, order.gather(-1, picks.clamp(min=0)[:, None])[:, 0])
+    probabilities = ordered.softmax(dim=-1)
+    picks = _draw(probabilities, [None] * len(rows))
+    picks = torch.where(picks < 0, picks, order.gather(-1, picks.clamp(min=0)[:, None])[:, 0])
+    seeded = [row for row, generator in enumerate(generators) if generator is not None]
+    if seeded:  # drawn in the vocabulary's order: how far the batch's rows were ordered must not matter
+        index = on_device(seeded, torch.long, device)
+        in_vocabulary = torch.zeros((len(seeded), logits.shape[-1]), device=device).scatter_(
+            1, order.index_select(0, index), probabilities.index_select(0, index))
+        picks = picks.index_copy(0, index, _draw(in_vocabulary, [generators[row] for row in seeded]))
+    return picks
 
 
 def _draw(probabilities: torch.Tensor, generators: list) -> torch.Tensor:
-    """One draw a row (with generators[row] where it is not None); -1 for a row that holds anything but
-    finite numbers."""
+    """One draw a row; -1 for a row that holds anything but finite numbers. A row with a generator of its own
+    draws with it, as vLLM's sampler does: the token whose probability over its own exponential noise is the
+    largest (a draw from the distribution), with noise for every token of the row whatever the batch holds,
+    so that the same seed makes the same draws in any batch."""
     finite = probabilities.isfinite().all(dim=-1)
     probabilities = torch.where(finite[:, None], probabilities, 1.0)
     picks = torch.multinomial(probabilities, num_samples=1)[:, 0]
     seeded = [row for row, generator in enumerate(generators) if generator is not None]
     if seeded:
-        own = torch.cat([torch.multinomial(probabilities[row:row + 1], 1, generator=generators[row])[:, 0] for row in seeded])
+        own = torch.stack([(probabilities[row] / torch.empty_like(probabilities[row]).exponential_(generator=generators[row]))
+                           .argmax() for row in seeded])
         picks = picks.index_copy(0, on_device(seeded, torch.long, probabilities.device), own)
     return torch.where(finite, picks, -1)
