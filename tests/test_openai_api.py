@@ -9,6 +9,7 @@ import mimetypes
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import threading
 import time
@@ -20,10 +21,11 @@ from openai import OpenAI
 
 from app import limits
 from app.engine.api import ReplyUpdate
-from app.messages import MSG_IMAGE_TOO_THIN, MSG_TOO_MANY_IMAGES, MSG_UNREADABLE_IMAGE
+from app.messages import MSG_API_NOT_READY, MSG_IMAGE_TOO_THIN, MSG_TOO_MANY_IMAGES, MSG_UNREADABLE_IMAGE
 from tests.conftest import ROOT, make_image, make_video, wait_for
 from tests.test_batching import metric
 from tests.test_engine_process import answers_at_once, reply
+from tests.test_switch import switchable  # noqa: F401 (the fixture, shared)
 
 GREEDY = {"max_tokens": 24, "temperature": 0}
 EXACT = {"min_tokens": 24}  # sent in extra_body: not a parameter of OpenAI's own client
@@ -299,3 +301,22 @@ def test_the_readme_examples_run_as_written(server_url, monkeypatch):
     result = subprocess.run(["bash", "-c", curl], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and '"finish_reason"' in result.stdout, result.stderr
     assert shlex.split(curl)  # a command a shell reads as it is
+
+
+def test_while_the_model_is_switched_the_api_is_503_then_it_serves_the_new_one(switchable, manager, server_url, tmp_path):
+    copy = str(tmp_path / "another-minicpmv")
+    shutil.copytree(manager.source.path, copy)
+    switcher = threading.Thread(target=switchable.switch_model, args=(copy,))
+    answers = []
+    switcher.start()
+    while switcher.is_alive():
+        answers.append(httpx.post(server_url + "v1/chat/completions", timeout=60,
+                                  json={"messages": said("Ready?"), "max_tokens": 2}))
+        time.sleep(0.02)
+    switcher.join()
+    refused = [answer for answer in answers if answer.status_code == 503]
+    assert refused and {answer.status_code for answer in answers} <= {200, 503}
+    assert refused[0].json()["error"]["message"] == MSG_API_NOT_READY and refused[0].headers["retry-after"]
+    assert [model.id for model in OpenAI(base_url=server_url + "v1", api_key="-").models.list().data] == [copy]
+    assert httpx.post(server_url + "v1/chat/completions", json={"model": copy, "messages": said("And now?"),
+                                                                 "max_tokens": 2}, timeout=60).status_code == 200
