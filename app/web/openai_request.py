@@ -99,6 +99,8 @@ def chat_request(body: dict, defaults: GenerationSettings, store_media) -> ChatR
 def _settings(body: dict, defaults: GenerationSettings) -> GenerationSettings:
     """The engine's settings for the request, each value checked by the engine's own rules."""
     overrides = {key: body[name] for name, key in SETTINGS.items() if body.get(name) is not None}
+    if overrides.get("top_k") == -1:  # vLLM's older spelling of "no top-k"
+        overrides["top_k"] = 0
     lengths = {body.get(name) for name in ("max_tokens", "max_completion_tokens")} - {None}
     if len(lengths) > 1:
         raise ApiError(400, MSG_API_MAX_TOKENS_DIFFER, param="max_tokens")
