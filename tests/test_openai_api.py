@@ -20,7 +20,7 @@ from openai import OpenAI
 
 from app import limits
 from app.engine.api import ReplyUpdate
-from app.messages import MSG_API_NOT_READY, MSG_IMAGE_TOO_THIN, MSG_TOO_MANY_IMAGES, MSG_UNREADABLE_IMAGE
+from app.messages import MSG_API_NOT_READY, MSG_EMPTY_REQUEST, MSG_IMAGE_TOO_THIN, MSG_TOO_MANY_IMAGES, MSG_UNREADABLE_IMAGE
 from tests.conftest import ROOT, make_image, make_video, wait_for
 from tests.test_batching import metric
 from tests.test_engine_process import answers_at_once, reply
@@ -202,6 +202,7 @@ def test_media_limits_are_the_uis(api, tmp_path):
     ({"max_tokens": limits.MAX_NEW_TOKENS_LIMIT + 1}, "Setting “max_tokens”: must be between 1 and"),
     ({"max_tokens": 10, "max_completion_tokens": 12}, "differ"),
     ({"temperature": "warm"}, "“temperature” must be a number"),
+    ({"temperature": -1}, "Setting “temperature”: must be between 0.0 and 5.0, got -1"),
     ({"top_p": 0}, "Setting “top_p”: must be above 0"),
     ({"min_tokens": 30, "max_tokens": 20}, "Setting “min_tokens”: must be between 0 and 20"),
     ({"downsample_mode": "8x"}, "Setting “downsample_mode”: must be one of 16x, 4x"),
@@ -228,6 +229,8 @@ def test_bad_parameters_are_refused_with_their_names(api, parameters, message):
     ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]},
       {"role": "user", "content": "?"}], "a system message holds text only"),
     ([{"role": "user", "content": "x" * (limits.MAX_PROMPT_CHARS + 1)}], "characters; the limit is"),
+    ([{"role": "user", "content": "  "}], MSG_EMPTY_REQUEST),
+    ([{"role": "user", "content": []}], MSG_EMPTY_REQUEST),
 ])
 def test_bad_conversations_are_refused_clearly(api, messages, message):
     with pytest.raises(openai.BadRequestError, match=re.escape(message)):

@@ -16,6 +16,7 @@ from app.chat import strip_reasoning
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.messages import (
+    MSG_EMPTY_REQUEST,
     MSG_API_BAD_JSON,
     MSG_API_BAD_MESSAGE,
     MSG_API_BAD_PART,
@@ -112,8 +113,7 @@ def _settings(body: dict, defaults: GenerationSettings) -> GenerationSettings:
             raise ApiError(400, MSG_API_WRONG_TYPE.format(name="temperature", kind="a number"), param="temperature")
         # 0 is greedy, as OpenAI and vLLM read it; so is anything too low to sample (app.limits).
         overrides["do_sample"] = temperature >= limits.MIN_SAMPLING_TEMPERATURE
-        if overrides["do_sample"]:
-            overrides["temperature"] = temperature
+        overrides["temperature"] = temperature  # held to its range either way
     thinking = _object(body, "chat_template_kwargs", CHAT_TEMPLATE_KWARGS).get("enable_thinking")
     if thinking is not None:
         overrides["enable_thinking"] = thinking
@@ -159,6 +159,8 @@ def model_messages(messages, store_media) -> list[dict]:
             raise UserError(MSG_API_BAD_MESSAGE.format(where=where))
     if not converted or converted[-1]["role"] != "user":
         raise UserError(MSG_API_LAST_NOT_USER)
+    if not any(part["type"] != "text" or part["text"].strip() for part in converted[-1]["content"]):
+        raise UserError(MSG_EMPTY_REQUEST)  # as the UI says it
     if system:
         text = "\n\n".join(part["text"] for part in system)
         converted.insert(0, {"role": "system", "content": [{"type": "text", "text": text}]})
