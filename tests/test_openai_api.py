@@ -338,3 +338,84 @@ def test_vllms_and_minicpm_vs_own_parameters_are_taken(api, manager, tmp_path):
     assert ask(api, said("What?", red), downsample_mode="4x").usage.visual_tokens > 640
     squeezed = ask(api, said("What?", red), visual_token_budget=300)
     assert squeezed.usage.visual_tokens <= 300 and squeezed.model_extra["notices"]  # the reply says it lowered the slices
+
+
+def test_a_large_body_is_read_while_other_replies_stream_on(api, server_url):
+    """A 64 MB body is parsed and its base64 decoded a few MB at a time, off the event loop: the replies
+    streaming meanwhile keep coming (in one json.loads and one b64decode it held the GIL for seconds)."""
+    payload = base64.b64encode(os.urandom(48 * 2**20)).decode()
+    content = json.dumps({"messages": said("Big?", {"type": "image_url", "image_url": {"url": "data:image/png;base64," + payload}}),
+                          "max_tokens": 2}).encode()
+    del payload
+    arrivals, done = [], threading.Event()
+    with ask(api, said("Go on and on."), stream=True, max_tokens=4000, min_tokens=4000) as running:
+        pieces = iter(running)
+        next(pieces)
+
+        def follow():
+            for _ in pieces:
+                arrivals.append(time.perf_counter())
+                if done.is_set():
+                    return
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        started = time.perf_counter()
+        response = httpx.post(server_url + "v1/chat/completions", content=content, timeout=300)
+        took = time.perf_counter() - started
+        done.set()
+        follower.join(30)
+    assert response.status_code == 400 and "could not be read as an image" in response.json()["error"]["message"]
+    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:]) if started < later < started + took]
+    assert len(gaps) > 5 and max(gaps) < took / 3, (took, max(gaps))
+
+
+def longest_pause(work) -> float:
+    """The longest another thread waited for Python's GIL (to wake from a 1 ms sleep) while `work()` ran, at the
+    serving processes' switch interval."""
+    import sys
+
+    pauses, stop = [0.0], threading.Event()
+
+    def ticker():
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            pauses.append(now - last)
+            last = now
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        work()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    return max(pauses)
+
+
+def test_reading_a_large_body_never_holds_the_gil_for_long(tmp_path):
+    from app.web.data_urls import DataUrlFiles, lift_data_urls
+    from app.web.openai_request import parse_json
+
+    png = open(make_image(tmp_path, "big.png", (1344, 1344)), "rb").read()
+    payload = base64.b64encode(png + os.urandom(100 * 2**20)).decode()  # a PNG with 100 MB after its end
+    body = bytearray(json.dumps({"messages": said("Big?", {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + payload}})}).encode())
+    del payload
+
+    def read():
+        small, lifted = lift_data_urls(body)
+        url = parse_json(small)["messages"][0]["content"][0]["image_url"]["url"]
+        stored.append(DataUrlFiles(str(tmp_path), lifted).store(url, "image", "messages[0].content[0]"))
+
+    stored = []
+    # The least of three tries each: on a busy machine the whole process is sometimes not scheduled for a while.
+    whole = min(longest_pause(lambda: json.loads(body)) for _ in range(3))  # one call into C: the GIL held throughout
+    assert min(longest_pause(read) for _ in range(3)) < whole / 3
+    assert open(stored[0], "rb").read(len(png)) == png and os.path.getsize(stored[0]) == len(png) + 100 * 2**20

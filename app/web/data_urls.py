@@ -2,16 +2,20 @@
 which then go the way of every upload (the same header checks and messages, the same janitor). The app never
 fetches a URL: anything but a data URL is refused.
 
-A file is named by a hash of its bytes, so that a conversation that sends its images again with every
-request (the API keeps no state) stores each of them once. Decoding runs on a worker thread of the caller's
-choosing (app.web.openai_api), never on the event loop: a 200 MB video is 270 MB of base64.
+A request is read on a worker thread (app.web.openai_api), and that is not enough: a thread still takes
+Python's GIL from the event loop for as long as one call into C lasts, and parsing a 267 MB body in one
+json.loads held it 2.3 s, decoding its base64 in one call 1.8 s (dev machine), while every reply of the web
+process stood still. So the body's data URLs are lifted out of it before the JSON is parsed (lift_data_urls,
+by searches of a few MB each), and each is decoded a few MB at a time, straight into its file. A file is named
+by a hash of its bytes, so that a conversation that sends its images again with every request (the API keeps
+no state) stores each of them once.
 """
 
-import base64
 import binascii
 import hashlib
 import os
 import re
+import secrets
 import tempfile
 
 from app import limits
@@ -29,18 +33,124 @@ EXTENSIONS = {
     "video/avi": ".avi", "video/x-matroska": ".mkv", "video/matroska": ".mkv",
 }
 STORED_PREFIX = "api-"  # the folder of a file decoded from a data URL: api-<its bytes' hash>/
+STEP = 2**20  # bytes searched, or base64 characters decoded, in one call into C (about a millisecond of the GIL each)
+_URL_FIELD_BEFORE = re.compile(rb'"url"\s*:\s*$')  # what stands before a lifted data URL's string
+HEADER_MAX = 256  # a data URL's "data:<media type>;base64," is shorter than this
 
 
-def media_type_and_payload(url: str, where: str) -> tuple[str, str]:
-    """(media type, base64 payload) of a data URL; UserError for anything else (a link is never fetched)."""
+def lift_data_urls(body: bytes | bytearray) -> tuple[bytes, dict[str, memoryview]]:
+    """The body with the string of every `"url": "data:..."` field replaced by a short key, and the data URLs by
+    key (views of the body, not copies). A string with JSON escapes other than "\\/" is left in place."""
+    view, pieces, lifted, token = memoryview(body), [], {}, secrets.token_hex(8)
+    done = at = 0
+    while (start := _find(body, b'"data:', at)) >= 0:
+        end = _find(body, b'"', start + 1)
+        at = start + 1
+        if end < 0:
+            break  # unterminated: json.loads says so
+        if not _URL_FIELD_BEFORE.search(bytes(view[max(0, start - 32):start])):
+            continue
+        escapes = _count(body, b"\\", start, end)
+        if escapes and escapes != _count(body, b"\\/", start, end):
+            continue
+        key = f"\x00data-url:{token}:{len(lifted)}"
+        text = view[start + 1:end]
+        lifted[key] = memoryview(bytes(text).replace(b"\\/", b"/")) if escapes else text
+        pieces += [view[done:start], b'"\\u0000' + key[1:].encode() + b'"']
+        done = at = end + 1
+    pieces.append(view[done:])
+    return b"".join(pieces), lifted
+
+
+def _find(body, text: bytes, at: int) -> int:
+    """body.find(text, at), a step at a time."""
+    while at < len(body):
+        found = body.find(text, at, at + STEP + len(text))
+        if found >= 0:
+            return found
+        at += STEP
+    return -1
+
+
+def _count(body, text: bytes, start: int, end: int) -> int:
+    """body.count(text, start, end), a step at a time."""
+    return sum(body.count(text, at, min(end, at + STEP + len(text) - 1)) for at in range(start, end, STEP))
+
+
+class DataUrlFiles:
+    """Stores the media of data URLs in `folder` (the upload folder) and checks them as uploads are checked;
+    `lifted`: the data URLs lift_data_urls took out of the body, by the keys left in their place."""
+
+    def __init__(self, folder: str, lifted: dict[str, memoryview] | None = None):
+        self.folder, self.lifted = folder, lifted or {}
+
+    def store(self, url: str, kind: str, where: str) -> str:
+        """The path of a checked file holding the data URL's image or video (`kind`); `where` names the part
+        of the request in messages (and the file)."""
+        data = self.lifted.get(url)
+        if data is None:
+            data = _as_bytes(url, where)
+        extension, payload = _extension_and_payload(data, kind, where)
+        if len(payload) // 4 * 3 > limits.MAX_UPLOAD_MB * 2**20 + 2:  # before decoding it
+            raise UserError(MSG_DATA_URL_TOO_LARGE.format(where=where, limit=limits.MAX_UPLOAD_MB))
+        path = self._decoded(payload, re.sub(r"[^\w]+", "-", where).strip("-") + extension, where)
+        if kind == "image":
+            check_image(path)
+        else:
+            probe_video(path)
+        return path
+
+    def _decoded(self, payload: memoryview, name: str, where: str) -> str:
+        """The file <folder>/api-<hash of the bytes>/<name> holding the decoded payload: written beside it a
+        step at a time, then moved into place, unless it is there (then marked as new, so that the janitor's
+        age rule spares it as long as it is used)."""
+        os.makedirs(self.folder, exist_ok=True)
+        descriptor, partial = tempfile.mkstemp(prefix=".data-url-", dir=self.folder)
+        try:
+            digest = hashlib.sha256()
+            with os.fdopen(descriptor, "wb") as file:
+                for at in range(0, len(payload), STEP):  # STEP is a multiple of 4: base64 decodes in whole quads
+                    chunk = binascii.a2b_base64(payload[at:at + STEP], strict_mode=True)
+                    digest.update(chunk)
+                    file.write(chunk)
+            folder = os.path.join(self.folder, STORED_PREFIX + digest.hexdigest()[:40])
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                os.utime(path)
+            else:
+                os.makedirs(folder, exist_ok=True)
+                os.replace(partial, path)
+            return path
+        except (binascii.Error, ValueError):
+            raise UserError(MSG_DATA_URL_NOT_BASE64.format(where=where)) from None
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+
+
+def _as_bytes(url: str, where: str) -> memoryview:
     if not url.startswith("data:"):
         shown = url if len(url) <= 60 else url[:57] + "..."
         raise UserError(MSG_NOT_A_DATA_URL.format(where=where, url=shown))
-    header, comma, payload = url[len("data:"):].partition(",")
-    parameters = header.split(";")
-    if not comma or parameters[-1].strip().lower() != "base64":
+    try:
+        return memoryview(url.encode("ascii"))
+    except UnicodeEncodeError:
+        raise UserError(MSG_DATA_URL_NOT_BASE64.format(where=where)) from None
+
+
+def _extension_and_payload(data: memoryview, kind: str, where: str) -> tuple[str, memoryview]:
+    """(the file's extension for the URL's media type, its base64 payload); UserError for another kind or type."""
+    head = bytes(data[:HEADER_MAX])
+    comma = head.find(b",")
+    parameters = head[len(b"data:"):comma].decode("ascii", "replace").split(";") if comma > 0 else [""]
+    if comma < 0 or parameters[-1].strip().lower() != "base64":
         raise UserError(MSG_DATA_URL_NOT_BASE64.format(where=where))
-    return parameters[0].strip().lower(), payload
+    media_type = parameters[0].strip().lower()
+    extension = EXTENSIONS.get(media_type)
+    if extension is None or media_kind("file" + extension) != kind:
+        raise UserError(MSG_DATA_URL_TYPE.format(where=where, type=media_type or "none", kind=kind,
+                                                 kinds=", ".join(_media_types(kind))))
+    return extension, data[comma + 1:]
 
 
 def _media_types(kind: str) -> list[str]:
@@ -50,57 +160,3 @@ def _media_types(kind: str) -> list[str]:
         if media_kind("file" + extension) == kind:
             shown.setdefault(extension, media_type)
     return list(shown.values())
-
-
-class DataUrlFiles:
-    """Stores the media of data URLs in `folder` (the upload folder) and checks them as uploads are checked."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-
-    def store(self, url: str, kind: str, where: str) -> str:
-        """The path of a checked file holding the data URL's image or video (`kind`); `where` names the part
-        of the request in messages (and the file)."""
-        media_type, payload = media_type_and_payload(url, where)
-        extension = EXTENSIONS.get(media_type)
-        if extension is None or media_kind("file" + extension) != kind:
-            raise UserError(MSG_DATA_URL_TYPE.format(where=where, type=media_type or "none", kind=kind,
-                                                     kinds=", ".join(_media_types(kind))))
-        limit = limits.MAX_UPLOAD_MB * 2**20
-        if len(payload) // 4 * 3 > limit + 2:  # before decoding it
-            raise UserError(MSG_DATA_URL_TOO_LARGE.format(where=where, limit=limits.MAX_UPLOAD_MB))
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise UserError(MSG_DATA_URL_NOT_BASE64.format(where=where)) from None
-        if len(data) > limit:
-            raise UserError(MSG_DATA_URL_TOO_LARGE.format(where=where, limit=limits.MAX_UPLOAD_MB))
-        path = self._written(data, re.sub(r"[^\w]+", "-", where).strip("-") + extension)
-        if kind == "image":
-            check_image(path)
-        else:
-            probe_video(path)
-        return path
-
-    def _written(self, data: bytes, name: str) -> str:
-        """The file <folder>/api-<hash of data>/<name>, written unless it is there (then marked as new, so
-        that the janitor's age rule spares it as long as it is used)."""
-        folder = os.path.join(self.folder, STORED_PREFIX + hashlib.sha256(data).hexdigest()[:40])
-        path = os.path.join(folder, name)
-        try:
-            os.utime(path)
-            return path
-        except FileNotFoundError:
-            pass
-        os.makedirs(folder, exist_ok=True)
-        # Written beside it, then moved into place: a request reading it meanwhile never sees half of it.
-        descriptor, partial = tempfile.mkstemp(prefix=".", dir=folder)
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(data)
-            os.replace(partial, path)
-        except BaseException:
-            if os.path.exists(partial):
-                os.remove(partial)
-            raise
-        return path

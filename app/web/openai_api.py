@@ -21,7 +21,7 @@ from app.engine.stop_signal import StopSignal
 from app.errors import UserError
 from app.messages import (MSG_API_BODY_BROKE_OFF, MSG_API_BODY_TOO_LARGE, MSG_API_MODEL_NOT_FOUND, MSG_API_NOT_FOUND,
                           MSG_API_NOT_READY)
-from app.web.data_urls import DataUrlFiles
+from app.web.data_urls import DataUrlFiles, lift_data_urls
 from app.web.openai_errors import API_ROOT, ApiError
 from app.web.openai_reply import DONE, Reply, error_event
 from app.web.openai_request import ChatRequest, chat_request, parse_json
@@ -73,8 +73,9 @@ class OpenAIApi:
             return error.response()
         return ChatReply(self, chat, Reply(served_model(self.manager)))
 
-    def _read(self, raw: bytes, upload_folder: str) -> ChatRequest:
+    def _read(self, raw: bytearray, upload_folder: str) -> ChatRequest:
         """The request, checked, its media stored (on a worker thread). Raises ApiError."""
+        raw, lifted = lift_data_urls(raw)  # the JSON left is small: parsing it holds the GIL briefly
         body = parse_json(raw)
         model = body.get("model")
         if model is not None and model != served_model(self.manager):
@@ -83,7 +84,7 @@ class OpenAIApi:
         if not self.manager.loaded:
             raise ApiError(503, MSG_API_NOT_READY, "service_unavailable_error", "model_not_ready")
         stored = []
-        files = DataUrlFiles(upload_folder)
+        files = DataUrlFiles(upload_folder, lifted)
 
         def store(url: str, kind: str, where: str) -> str:
             stored.append(files.store(url, kind, where))
@@ -99,7 +100,7 @@ class OpenAIApi:
         return chat
 
 
-async def _body(request: Request) -> bytes:
+async def _body(request: Request) -> bytearray:
     """The request's body, refused past limits.MAX_API_REQUEST_MB (before it is all read) or when the client
     stalls or leaves."""
     limit = limits.MAX_API_REQUEST_MB * 2**20
@@ -107,16 +108,15 @@ async def _body(request: Request) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
+    body = bytearray()  # grown chunk by chunk: joining 300 MB at the end would hold the GIL for it
     try:
         async for chunk in giving_up_on_stalls(request).stream():
-            size += len(chunk)
-            if size > limit:
+            if len(body) + len(chunk) > limit:
                 raise too_large
-            chunks.append(chunk)
+            body += chunk
     except ClientDisconnect:
         raise ApiError(400, MSG_API_BODY_BROKE_OFF) from None
-    return b"".join(chunks)
+    return body
 
 
 class ChatReply:
