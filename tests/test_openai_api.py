@@ -245,7 +245,9 @@ def test_other_models_paths_and_bodies_get_openais_error_shape(api, server_url, 
         response = httpx.request(method, base + path, timeout=30)
         assert response.status_code == 404 and "is not an endpoint" in response.json()["error"]["message"], path
     response = httpx.post(base + "/chat/completions", content=b"{not json", timeout=30)
-    assert response.status_code == 400 and "not a JSON object" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "must be a JSON object" in response.json()["error"]["message"]
+    response = httpx.post(base + "/chat/completions", json=[1, 2], timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["message"].endswith("(got list).")
     lone_surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'  # JSON carries it, no tokenizer takes it
     response = httpx.post(base + "/chat/completions", content=lone_surrogate, timeout=30)
     assert response.status_code == 400 and "not valid text" in response.json()["error"]["message"]

@@ -83,6 +83,7 @@ class DataUrlFiles:
 
     def __init__(self, folder: str, lifted: dict[str, memoryview] | None = None):
         self.folder, self.lifted = folder, lifted or {}
+        self.stored = 0  # files stored (or found stored) so far
 
     def store(self, url: str, kind: str, where: str) -> str:
         """The path of a checked file holding the data URL's image or video (`kind`); `where` names the part
@@ -94,6 +95,7 @@ class DataUrlFiles:
         if len(payload) // 4 * 3 > limits.MAX_UPLOAD_MB * 2**20 + 2:  # before decoding it
             raise UserError(MSG_DATA_URL_TOO_LARGE.format(where=where, limit=limits.MAX_UPLOAD_MB))
         path = self._decoded(payload, re.sub(r"[^\w]+", "-", where).strip("-") + extension, where)
+        self.stored += 1
         if kind == "image":
             check_image(path)
         else:

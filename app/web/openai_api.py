@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from app import limits, tuning
 from app.engine.stop_signal import StopSignal
-from app.errors import UserError
+from app.errors import NotReady, UserError
 from app.messages import (MSG_API_BODY_BROKE_OFF, MSG_API_BODY_TOO_LARGE, MSG_API_MODEL_NOT_FOUND, MSG_API_NOT_FOUND,
                           MSG_API_NOT_READY)
 from app.web.data_urls import DataUrlFiles, lift_data_urls
@@ -77,25 +77,19 @@ class OpenAIApi:
         """The request, checked, its media stored (on a worker thread). Raises ApiError."""
         raw, lifted = lift_data_urls(raw)  # the JSON left is small: parsing it holds the GIL briefly
         body = parse_json(raw)
-        model = body.get("model")
-        if model is not None and model != served_model(self.manager):
-            raise ApiError(404, MSG_API_MODEL_NOT_FOUND.format(model=model, served=served_model(self.manager)),
+        served = served_model(self.manager)
+        if body.get("model") is not None and body["model"] != served:
+            raise ApiError(404, MSG_API_MODEL_NOT_FOUND.format(model=body["model"], served=served),
                            code="model_not_found", param="model")
-        if not self.manager.loaded:
-            raise ApiError(503, MSG_API_NOT_READY, "service_unavailable_error", "model_not_ready")
-        stored = []
-        files = DataUrlFiles(upload_folder, lifted)
-
-        def store(url: str, kind: str, where: str) -> str:
-            stored.append(files.store(url, kind, where))
-            return stored[-1]
-
         try:
+            if not self.manager.loaded:
+                raise NotReady(MSG_API_NOT_READY)
             defaults = self.manager.default_settings()
         except UserError as error:
             raise ApiError.of(error) from None
-        chat = chat_request(body, defaults, store)
-        if stored:
+        files = DataUrlFiles(upload_folder, lifted)
+        chat = chat_request(body, defaults, files.store)
+        if files.stored:
             self.janitor.uploaded()  # the upload folder's size is checked now
         return chat
 

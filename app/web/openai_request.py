@@ -74,7 +74,7 @@ def parse_json(raw: bytes) -> dict:
     except (ValueError, RecursionError) as error:
         raise ApiError(400, MSG_API_BAD_JSON.format(error=str(error)[:200])) from None
     if not isinstance(body, dict):
-        raise ApiError(400, MSG_API_BAD_JSON.format(error="the body is not a JSON object"))
+        raise ApiError(400, MSG_API_BAD_JSON.format(error=f"got {type(body).__name__}"))
     return body
 
 
