@@ -1,8 +1,9 @@
 """`python app.py` as an OpenAI-compatible server in a process of its own (its engine in another, as it runs by
-default), with a key and room for one request: the key, the busy line (429), a model process that restarts
+default), with a key and room for one request and one in line: the key, the busy line (429), a model process that restarts
 (503), and the closed loop: this app with --backend openai pointed at it, its UI and its /ask working through."""
 
 import io
+import json
 import os
 import re
 import signal
@@ -30,7 +31,7 @@ browser = test_browser.browser  # the fixture, shared
 
 
 class Upstream:
-    """`python app.py --model tiny-random` serving one request at a time (a batch of 1, no wait line)."""
+    """`python app.py --model tiny-random` serving one request at a time, with one place in its wait line."""
 
     def __init__(self, log_path):
         self.port, self.log_path = free_port(), log_path
@@ -38,7 +39,7 @@ class Upstream:
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "app.py", "--model", "tiny-random", "--port", str(self.port), "--max-batch-size", "1",
-                 "--queue-size", "0", "--no-warmup"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                 "--queue-size", "1", "--no-warmup"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "MINICPMV_API_KEY": KEY})
 
     def log(self) -> str:
@@ -100,27 +101,27 @@ def test_the_api_needs_its_key(upstream):
     assert [model.id for model in upstream.client().models.list().data] == ["tiny-random"]
 
 
-def test_a_full_line_is_busy_429_and_the_next_request_after_it_is_served(upstream, frontend):
+def test_a_request_waits_in_line_then_a_full_line_is_busy_429(upstream, frontend):
     client = upstream.client()
     with client.chat.completions.create(model="tiny-random", messages=said("Go on."), stream=True, **LONG) as running:
         next(iter(running))
-        with pytest.raises(openai.RateLimitError, match="The demo is busy") as busy:
-            client.chat.completions.create(model="tiny-random", messages=said("Me too?"), max_tokens=4)
-        assert busy.value.status_code == 429 and busy.value.response.headers["retry-after"]
-        assert busy.value.body["type"] == "rate_limit_error"
-        # Through --backend openai, the external server's busy answer is this app's busy answer.
-        with pytest.raises(openai.RateLimitError, match="HTTP 429"):
-            OpenAI(base_url=frontend + "v1", api_key="none", max_retries=0).chat.completions.create(
-                model="tiny-random", messages=said("Me too?"), max_tokens=4)
-    answer = wait_for(lambda: _served(client), 20)
-    assert answer
-
-
-def _served(client) -> bool:
-    try:
-        return client.chat.completions.create(model="tiny-random", messages=said("Now?"), max_tokens=3).usage.completion_tokens == 3
-    except openai.RateLimitError:  # the long reply leaves at its next step
-        return False
+        # The one place in line: its stream starts, and says so while it waits (comments, which clients skip).
+        waiting = httpx.stream("POST", upstream.url + "v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                               json={"messages": said("After you."), "max_tokens": 3, "stream": True}, timeout=60)
+        with waiting as second:
+            lines = second.iter_lines()
+            assert second.status_code == 200 and json.loads(next(lines)[len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+            assert next(line for line in lines if line) == ": waiting, 0 requests ahead"
+            with pytest.raises(openai.RateLimitError, match="The demo is busy") as busy:
+                client.chat.completions.create(model="tiny-random", messages=said("Me too?"), max_tokens=4)
+            assert busy.value.status_code == 429 and busy.value.response.headers["retry-after"]
+            assert busy.value.body["type"] == "rate_limit_error"
+            # Through --backend openai, the external server's busy answer is this app's busy answer.
+            with pytest.raises(openai.RateLimitError, match="HTTP 429"):
+                OpenAI(base_url=frontend + "v1", api_key="none", max_retries=0).chat.completions.create(
+                    model="tiny-random", messages=said("Me too?"), max_tokens=4)
+            running.close()  # the long reply leaves: the one in line is served
+            assert "data: [DONE]" in list(lines)
 
 
 def test_stop_texts_and_seeds_work_through_the_model_process(upstream, manager):
