@@ -191,6 +191,8 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--backend is 'transformers' or 'openai'")
     if args.auth is not None and (":" not in args.auth or not all(args.auth.partition(":")[::2])):
         parser.error("--auth takes USER:PASSWORD, both non-empty")
+    if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
+        parser.error("--api-key takes a key without spaces at its ends")  # a Bearer token is read trimmed
     if args.web_processes < 1:
         parser.error("--web-processes is 1 or more")
     if not 1 <= args.max_new_tokens <= limits.MAX_NEW_TOKENS_LIMIT:

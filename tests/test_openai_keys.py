@@ -70,3 +70,10 @@ def test_the_key_comes_from_the_flag_or_the_environment_and_is_never_logged():
                             env={**os.environ, "MINICPMV_API_KEY": "sk-env"})
     assert result.stdout.split() == ["sk-env", "False"], result.stderr[-2000:]
     assert parse_config([]).api_key is None
+
+
+@pytest.mark.parametrize("key", ["", " ", " sk-padded", "sk-padded "])
+def test_a_key_that_no_header_could_send_is_refused_at_the_start(key, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--api-key", key])
+    assert "--api-key takes a key without spaces at its ends" in capsys.readouterr().err
