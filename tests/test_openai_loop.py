@@ -120,6 +120,7 @@ def test_a_request_waits_in_line_then_a_full_line_is_busy_429(upstream, frontend
             with pytest.raises(openai.RateLimitError, match="HTTP 429"):
                 OpenAI(base_url=frontend + "v1", api_key="none", max_retries=0).chat.completions.create(
                     model="tiny-random", messages=said("Me too?"), max_tokens=4)
+            assert 'minicpmv_requests_total{outcome="busy"} 1' in httpx.get(frontend + "metrics", timeout=30).text
             running.close()  # the long reply leaves: the one in line is served
             assert "data: [DONE]" in list(lines)
 

@@ -186,6 +186,9 @@ class OpenAIEngine:
         except GeneratorExit:
             outcome = "stopped"
             raise
+        except Busy:  # the server's line is full: turned away, as this app's own engine counts it
+            outcome = "busy"
+            raise
         except httpx.ConnectError as error:
             raise NotReady(MSG_ENGINE_DOWN.format(url=self.base_url)) from error
         except httpx.TimeoutException as error:
