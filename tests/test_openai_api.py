@@ -74,6 +74,9 @@ def streamed(api: OpenAI, messages: list[dict], **parameters) -> tuple[list, str
 def test_the_model_is_listed(api):
     models = api.models.list().data
     assert [model.id for model in models] == ["tiny-random"] and models[0].object == "model"
+    assert api.models.retrieve("tiny-random").id == "tiny-random"
+    with pytest.raises(openai.NotFoundError, match="“openbmb/other” is not served here"):
+        api.models.retrieve("openbmb/other")
 
 
 def test_a_reply_is_the_engines_own_whole_or_streamed(api, manager):

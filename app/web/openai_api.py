@@ -43,6 +43,7 @@ def openai_routes(manager, janitor, threads: int) -> list[Route]:
     api = OpenAIApi(manager, janitor, threads)
     every_method = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     return [Route(f"{API_ROOT}/models", api.models, methods=["GET"]),
+            Route(API_ROOT + "/models/{model:path}", api.model, methods=["GET"]),  # ids hold slashes (org/name)
             Route(f"{API_ROOT}/chat/completions", api.chat_completions, methods=["POST"]),
             Route(API_ROOT + "/{rest:path}", api.not_found, methods=every_method)]
 
@@ -58,8 +59,19 @@ class OpenAIApi:
         self.reading = anyio.CapacityLimiter(tuning.API_REQUESTS_READ_AT_ONCE)
 
     async def models(self, request: Request) -> JSONResponse:
-        model = {"id": served_model(self.manager), "object": "model", "created": self.started, "owned_by": "minicpm-v-demo"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request):
+        if request.path_params["model"] != served_model(self.manager):
+            return self._not_served(request.path_params["model"]).response()
+        return JSONResponse(self._model())
+
+    def _model(self) -> dict:
+        return {"id": served_model(self.manager), "object": "model", "created": self.started, "owned_by": "minicpm-v-demo"}
+
+    def _not_served(self, model: str) -> ApiError:
+        return ApiError(404, MSG_API_MODEL_NOT_FOUND.format(model=model, served=served_model(self.manager)),
+                        code="model_not_found", param="model")
 
     async def not_found(self, request: Request):
         message = MSG_API_NOT_FOUND.format(method=request.method, path=request.url.path)
@@ -77,10 +89,8 @@ class OpenAIApi:
         """The request, checked, its media stored (on a worker thread). Raises ApiError."""
         raw, lifted = lift_data_urls(raw)  # the JSON left is small: parsing it holds the GIL briefly
         body = parse_json(raw)
-        served = served_model(self.manager)
-        if body.get("model") is not None and body["model"] != served:
-            raise ApiError(404, MSG_API_MODEL_NOT_FOUND.format(model=body["model"], served=served),
-                           code="model_not_found", param="model")
+        if body.get("model") is not None and body["model"] != served_model(self.manager):
+            raise self._not_served(body["model"])
         try:
             if not self.manager.loaded:
                 raise NotReady(MSG_API_NOT_READY)
