@@ -1,7 +1,8 @@
 """Conversation state: Gradio chat history in, model messages out; reasoning tags in replies.
 
 Model messages are plain dicts: {"role": "user" | "assistant", "content": [part, ...]} where a part is
-{"type": "text", "text": str}, {"type": "image", "path": str} or {"type": "video", "path": str}.
+{"type": "text", "text": str}, {"type": "image", "path": str} or {"type": "video", "path": str}; the first
+may also be {"role": "system", "content": [text parts]} (the OpenAI-compatible API's, app.web.openai_request).
 """
 
 import re

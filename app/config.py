@@ -5,6 +5,7 @@ reads the app's environment."""
 import argparse
 import dataclasses
 import importlib.util
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -44,12 +45,32 @@ class AppConfig:
     # A scraper's bearer token for /metrics (app.web.guard); from the environment only, so that it is not
     # shown in the process list, and left out of repr so that it is not logged.
     metrics_token: str | None = dataclasses.field(default=None, repr=False)
+    # The OpenAI-compatible API's key (app.web.guard: api_key_needed says when one is needed); not logged.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    # Where users reach the app when this process listens elsewhere (a web process behind the fronts' address).
+    public_host: str | None = None
 
     def auth_pair(self) -> tuple[str, str] | None:
         if not self.auth:
             return None
         user, _, password = self.auth.partition(":")
         return user, password
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address to listen on) can be reached from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
+
+
+def api_key_needed(config: AppConfig) -> bool:
+    """Whether the OpenAI-compatible API takes requests only with a key: with --auth (the page's login does
+    not open it), or when the app listens beyond loopback. Without --api-key it is then closed."""
+    return bool(config.auth) or not is_loopback(config.public_host or config.host)
 
 
 def serving_slots(config: AppConfig) -> int:
@@ -142,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Also serve through a public Gradio share link. [env MINICPMV_SHARE]")
     parser.add_argument("--auth", default=os.environ.get("MINICPMV_AUTH") or None, metavar="USER:PASSWORD",
                         help="Ask for this user name and password on the page and the API. [env MINICPMV_AUTH]")
+    parser.add_argument("--api-key", default=os.environ.get("MINICPMV_API_KEY") or None, metavar="KEY",
+                        help="The key of the OpenAI-compatible API at /v1, sent as `Authorization: Bearer KEY`. "
+                             "Without it the API is open on loopback and closed with --auth or on any other "
+                             "address. [env MINICPMV_API_KEY]")
     parser.add_argument("--trust-remote-code", action="store_true", default=_env_flag("MINICPMV_TRUST_REMOTE_CODE"),
                         help="Allow a checkpoint to run its own Python code. Off unless you trust its author. "
                              "[env MINICPMV_TRUST_REMOTE_CODE]")
@@ -172,6 +197,8 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
         parser.error("--backend is 'transformers' or 'openai'")
     if args.auth is not None and (":" not in args.auth or not all(args.auth.partition(":")[::2])):
         parser.error("--auth takes USER:PASSWORD, both non-empty")
+    if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
+        parser.error("--api-key takes a key without spaces at its ends")  # a Bearer token is read trimmed
     if args.web_processes < 1:
         parser.error("--web-processes is 1 or more")
     if not 1 <= args.max_new_tokens <= limits.MAX_NEW_TOKENS_LIMIT:

@@ -65,6 +65,9 @@ MAX_PROMPT_CHARS = 20_000
 MAX_CONTEXT_TOKENS = 32_768
 DEFAULT_MAX_NEW_TOKENS = 1024
 MIN_SAMPLING_TEMPERATURE = 0.01  # below it a reply is greedy in all but name
+# Stop texts of one request (each is looked for in the reply's text as every token comes: app.engine.replies).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 200
 # The cap on any reply's length (the UI's slider ends there; the API refuses more). The default length is
 # --max-new-tokens (MINICPMV_MAX_NEW_TOKENS), a variable of its own: once one variable set both, and raising
 # the default lowered the cap.
@@ -73,6 +76,10 @@ MAX_NEW_TOKENS_LIMIT = 8192
 # Serving.
 DEFAULT_QUEUE_SIZE = 64  # requests waiting while the batch is full; one more is told the demo is busy
 DEFAULT_MAX_BATCH_SIZE = 256  # requests decoded together
+
+# The OpenAI-compatible API (app.web.openai_api): a request's whole body, its images and videos in base64
+# included (a 200 MB video is 267 MB of base64). Each file in it is also held to MAX_UPLOAD_MB.
+MAX_API_REQUEST_MB = 300
 
 # External OpenAI-compatible engine.
 ENGINE_READ_TIMEOUT_S = 120.0  # longest silence between two streamed pieces
@@ -97,6 +104,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "MAX_PROMPT_CHARS",
     "MAX_CONTEXT_TOKENS",
     "MAX_NEW_TOKENS_LIMIT",
+    "MAX_API_REQUEST_MB",
     "ENGINE_READ_TIMEOUT_S",
     "SWITCH_WAIT_S",
 )}

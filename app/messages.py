@@ -101,6 +101,40 @@ MSG_SHARE_WITHOUT_AUTH = (
     "!! --share without --auth: anyone who gets the share link can use this demo, your GPU and every\n"
     "!! upload. Protect it with --auth USER:PASSWORD (or MINICPMV_AUTH=USER:PASSWORD).\n" + "!" * 78
 )
+MSG_SHARE_API_OPEN = (
+    "\n" + "!" * 78 + "\n"
+    "!! --share without --api-key: anyone who gets the share link can use the OpenAI-compatible API at\n"
+    "!! /v1, and your GPU through it. Protect it with --api-key KEY (or MINICPMV_API_KEY=KEY).\n" + "!" * 78
+)
+# The OpenAI-compatible API (app.web.openai_api): what a client is told beyond the UI's own messages.
+MSG_API_KEY_NOT_SET = ("This server's OpenAI-compatible API needs a key (it runs with --auth, or listens beyond this "
+                       "machine) and has none: start it with --api-key KEY (or MINICPMV_API_KEY=KEY), then send "
+                       "the header “Authorization: Bearer KEY”.")
+MSG_API_KEY_MISSING = "Send this server's API key in the header “Authorization: Bearer KEY”."
+MSG_API_KEY_WRONG = "Incorrect API key."
+MSG_API_NOT_FOUND = "{method} {path} is not an endpoint of this server: it serves GET /v1/models and POST /v1/chat/completions."
+MSG_API_MODEL_NOT_FOUND = "The model “{model}” is not served here; this server serves “{served}” (see GET /v1/models)."
+MSG_API_NOT_READY = "The model is not ready (it is being loaded or switched, or its process restarted); try again shortly."
+MSG_API_BODY_TOO_LARGE = "The request's body is over {limit} MB (MINICPMV_MAX_API_REQUEST_MB)."
+MSG_API_BODY_BROKE_OFF = "The request's body broke off before its end."
+MSG_API_BAD_JSON = "The request's body must be a JSON object ({error})."
+MSG_API_UNKNOWN_FIELDS = "Unknown field(s) {names}. This server reads {known}."
+MSG_API_FIELD_NOT_SUPPORTED = "“{name}” can only be {allowed} here."
+MSG_API_WRONG_TYPE = "“{name}” must be {kind}."
+MSG_API_MAX_TOKENS_DIFFER = "“max_tokens” and “max_completion_tokens” differ: send one of them."
+MSG_API_NO_MESSAGES = "“messages” must be a list of one message or more."
+MSG_API_BAD_MESSAGE = "{where} must be an object with a “role” (system, user or assistant) and its “content”."
+MSG_API_BAD_PART = ("{where} is not a part this server reads: a user's content holds “text”, “image_url” and "
+                    "“video_url” parts, an assistant's text alone.")
+MSG_API_MEDIA_IN_SYSTEM = "{where}: a system message holds text only."
+MSG_API_SYSTEM_LATE = "{where}: system messages come first, before the conversation."
+MSG_API_TOOLS = "{where}: this server calls no tools, so it takes neither tool calls nor tool results."
+MSG_API_LAST_NOT_USER = "The last message must be the user's: the reply answers it."
+MSG_NOT_A_DATA_URL = ("{where}: “{url}” is not a data: URL. This server never fetches a link: send the image or video "
+                      "itself, as data:<media type>;base64,<its bytes in base64>.")
+MSG_DATA_URL_NOT_BASE64 = "{where}: the data: URL must hold base64 (data:<media type>;base64,...), and valid base64."
+MSG_DATA_URL_TYPE = "{where}: “{type}” is not a supported {kind} type. Supported: {kinds}."
+MSG_DATA_URL_TOO_LARGE = "{where}: the file is over the {limit} MB limit of one file."
 MSG_MODEL_UNAVAILABLE = (
     "Cannot load “{model}”: it is not a local folder and could not be fetched from the Hugging Face Hub "
     "({reason}). Pass a local checkpoint folder with --model PATH, or try the demo offline with --model tiny-random."

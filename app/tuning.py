@@ -85,6 +85,10 @@ LOAD_FIRST_TOKEN_WINDOW_S = 60.0
 # A few at once, of images and of videos each, keep one long video from holding up everyone's previews, and
 # a crowd of uploads from taking every core of the box.
 PREVIEWS_AT_ONCE = 4
+# The OpenAI-compatible API reads this many requests at once on worker threads (JSON parsed, base64 images and
+# videos decoded and written: a 270 MB body is about a second of a core), so that a flood of large bodies
+# leaves the other cores to the replies in progress; the rest wait their turn.
+API_REQUESTS_READ_AT_ONCE = 4
 PROFILE_GPU_MAX_S = 60.0  # ModelManager.profile_gpu's longest window: the profiler keeps every kernel in memory
 
 # What an environment variable MINICPMV_<NAME> may set (app.config.apply_environment, at the start of

@@ -6,15 +6,19 @@ flight; unfinished ones are reported, not hidden. Two modes:
   --mode engine  the engine called from this script, as a Python program would (what the GPU can do),
   --mode app     the full app through gradio_client (what a browser user gets); the clients run in
                  processes of their own, so that they do not slow the server down, and connect before
-                 the level's clock starts, as users whose page is open (connecting is timed apart).
+                 the level's clock starts, as users whose page is open (connecting is timed apart),
+  --mode openai  the same requests through the app's OpenAI-compatible API with the official `openai`
+                 client, streamed, the image as a base64 data URL (clients as in app mode; the columns
+                 that need the engine's own stats of each reply are left out).
 Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
-it in the benchmark's (or the app's) process instead, as before that split. In app mode, --web-processes N
+it in the benchmark's (or the app's) process instead, as before that split. In app and openai mode, --web-processes N
 serves the app as `python app.py --web-processes N` does: N web processes behind app.web.proxy's proxy, in
 --front-processes processes (0: as many as the app would start).
 Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend on weight values):
 
     python benchmarks/concurrency.py --levels 1,10,50,100,200 --json results.json
     python benchmarks/concurrency.py --model tiny-random --levels 1,4 --duration 10   # a quick CPU check
+    python benchmarks/concurrency.py --model tiny-random --mode openai --levels 1,4 --duration 5
 """
 
 import argparse
@@ -84,6 +88,24 @@ def app_request(client, image_path, settings, abort: threading.Event) -> tuple[f
                                                                          **status_times(job)}
 
 
+def openai_request(client, model: str, image_url: str, settings: dict, abort: threading.Event) -> tuple[float, dict]:
+    """(time to first token in ms as the client saw it, the reply's new tokens), streamed through the OpenAI-compatible API."""
+    started, first, usage = time.perf_counter(), None, None
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                             {"type": "text", "text": QUESTION}]}]
+    with client.chat.completions.create(model=model, messages=messages, max_tokens=settings["max_new_tokens"], temperature=0,
+                                        stream=True, stream_options={"include_usage": True},
+                                        extra_body={"min_tokens": settings["min_new_tokens"]}) as stream:
+        for chunk in stream:
+            if abort.is_set():
+                raise Aborted
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if first is None and delta is not None and (delta.content or getattr(delta, "reasoning_content", None)):
+                first = time.perf_counter()
+            usage = chunk.usage or usage
+    return round(((first or time.perf_counter()) - started) * 1000, 1), {"new_tokens": usage.completion_tokens}
+
+
 def status_times(job) -> dict:
     """When this client heard (Unix time) that its request joined Gradio's queue, after the upload and the
     join. gradio_client keeps every status update it got, each stamped on arrival, in a queue that nothing
@@ -135,7 +157,8 @@ def drive_users(users: int, stop_issuing: float, deadline: float, make_requester
 
 
 def _app_client_process(url, users, duration, grace, image_path, settings, switch_interval, ready, go, out) -> None:
-    """Clients in a process of their own, so that they do not share the server's GIL."""
+    """Clients in a process of their own, so that they do not share the server's GIL (openai mode: `url`
+    is ("openai", the API's base URL, the model's name))."""
     from gradio_client import Client
 
     # A client's upload, like a web process's, is many small steps, each waiting for the GIL among the
@@ -150,18 +173,37 @@ def _app_client_process(url, users, duration, grace, image_path, settings, switc
     # (py-spy). One context per process, made here, is what a browser's TLS setup amounts to.
     tls = ssl.create_default_context()
     connecting = time.time()
-    clients = [Client(url, verbose=False, ssl_verify=tls) for _ in range(users)]
-    connect_s = time.time() - connecting
+    if isinstance(url, tuple):
+        make_requester = _openai_requesters(*url[1:], image_path, settings, users)
+    else:
+        clients = [Client(url, verbose=False, ssl_verify=tls) for _ in range(users)]
 
-    def make_requester():
-        client = clients.pop()
-        return lambda abort: app_request(client, image_path, settings, abort)
+        def make_requester():
+            client = clients.pop()
+            return lambda abort: app_request(client, image_path, settings, abort)
+    connect_s = time.time() - connecting
 
     ready.put(connect_s)
     go.wait()
     started, cpu_started = time.time(), own_cpu_seconds()
     results = drive_users(users, started + duration, started + duration + grace, make_requester)
     out.put((*results, own_cpu_seconds() - cpu_started, time.time() - started))
+
+
+def _openai_requesters(base_url: str, model: str, image_path: str, settings: dict, users: int):
+    """make_requester for openai mode: one client a user, the image as the data URL each request sends."""
+    import base64
+
+    import httpx
+    from openai import OpenAI
+
+    with open(image_path, "rb") as file:
+        image_url = f"data:image/{image_path.rsplit('.', 1)[1]};base64," + base64.b64encode(file.read()).decode()
+    # One connection a user, as each of them would hold (the SDK's default pool is shared and kept small).
+    limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
+    client = OpenAI(base_url=base_url, api_key="benchmark", max_retries=0, timeout=600,
+                    http_client=httpx.Client(limits=limits, timeout=600))
+    return lambda: (lambda abort: openai_request(client, model, image_url, settings, abort))
 
 
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
@@ -206,7 +248,9 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
     ended = max([r[3] for r in results], default=time.time())
     window = ended - started
     ttfts, latencies = [r[0] for r in results], [r[1] for r in results]
-    if app:
+    gradio = app is not None and not isinstance(app[0], tuple)  # app mode; openai mode's replies carry no engine stats
+    replies = [r[4] for r in results if "preprocess_ms" in r[4]]  # the engine's stats of each reply, where there are
+    if gradio:
         to_engine = [(r[4]["requested_at"] - r[4]["submitted_at"]) * 1000 for r in results]
         heard = [r[4] for r in results if "joined_at" in r[4]]
         way_in = {"upload_and_join": [(s["joined_at"] - s["submitted_at"]) * 1000 for s in heard],
@@ -228,14 +272,14 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         "peak_gpu_gib": round(engine["gpu_memory_peak_bytes"] / 2**30, 2) if engine["gpu_memory_peak_bytes"] else None,
         # Where a request's time to first token went: preprocessing (CPU, waiting for a turn included),
         # then the wait for a prefill wave.
-        **p50_p95("preprocess_ms", [r[4]["preprocess_ms"] for r in results]),
+        **p50_p95("preprocess_ms", [stats["preprocess_ms"] for stats in replies]),
         # ...split: reaching the preparer, waiting for a worker, the work, its way back, staging on the GPU.
-        **p50_p95_each("preparation_ms", {stage: [r[4]["preparation_ms"][stage] for r in results]
-                                          for stage in (results[0][4]["preparation_ms"] if results else ())}),
-        **p50_p95("queue_ms", [r[4]["queue_ms"] for r in results]),
+        **p50_p95_each("preparation_ms", {stage: [stats["preparation_ms"][stage] for stats in replies]
+                                          for stage in (replies[0]["preparation_ms"] if replies else ())}),
+        **p50_p95("queue_ms", [stats["queue_ms"] for stats in replies]),
         # From the scheduler's loop to the reply's consumer (in app mode a web process, through the pipe
         # from the engine's process).
-        **p50_p95("first_token_delivery_ms", [r[4].get("first_token_delivery_ms", 0) for r in results]),
+        **p50_p95("first_token_delivery_ms", [stats.get("first_token_delivery_ms", 0) for stats in replies]),
         # App mode: the part of the client's time to first token spent outside the engine's reply (the
         # upload, Gradio's queue until the handler runs, and the first update's way back to the client),
         # then split (this host's clock): from the client's submit to the web process asking the engine,
@@ -245,7 +289,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
             # ...and that way in split: the upload and the join until the client heard it had joined (so
             # with that message's way back), Gradio's queue until the handler started, the handler's way to
             # the engine (these two stamped in the server).
-            **p50_p95_each("way_in_ms", way_in)} if app else {}),
+            **p50_p95_each("way_in_ms", way_in)} if gradio else {}),
         # Where the scheduler's time went over the whole level (the rest it waited for work), and the
         # media encoder's, which on a GPU runs on a stream of its own alongside both.
         "prefill_busy_share": round(busy["prefill"] / window, 3),
@@ -268,7 +312,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
     parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
-    parser.add_argument("--mode", choices=["engine", "app"], default="engine")
+    parser.add_argument("--mode", choices=["engine", "app", "openai"], default="engine")
     parser.add_argument("--levels", default="1,10,50,100,200")
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--grace", type=float, default=60.0)
@@ -325,7 +369,7 @@ def main() -> None:
         return lambda abort: engine_request(manager, messages, generation, abort)
 
     app, web, fronts = None, None, None
-    if args.mode == "app" and config.web_processes > 1:
+    if args.mode != "engine" and config.web_processes > 1:
         from app.web.processes import Fronts, WebProcesses, close_serving, front_processes
 
         web = WebProcesses(config, manager.listen, config.web_processes)
@@ -334,11 +378,17 @@ def main() -> None:
         fronts.start()
         print(f"web processes: {' '.join(map(str, web.pids))}", flush=True)
         print(f"front processes: {' '.join(map(str, fronts.pids))}", flush=True)
-        app = (f"http://127.0.0.1:{config.port}", image_path, settings, args.client_switch_interval)
-    elif args.mode == "app":
+        url = f"http://127.0.0.1:{config.port}/"
+    elif args.mode != "engine":
         from app.web.server import launch
 
-        app = (launch(config, manager, prevent_thread_lock=True).local_url, image_path, settings, args.client_switch_interval)
+        url = launch(config, manager, prevent_thread_lock=True).local_url
+    if args.mode == "openai":
+        from app.web.openai_api import served_model
+
+        url = ("openai", url + "v1", served_model(manager))  # the clients' processes take the API's address
+    if args.mode != "engine":
+        app = (url, image_path, settings, args.client_switch_interval)
 
     report = {
         "date": time.strftime("%Y-%m-%d"),

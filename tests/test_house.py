@@ -15,7 +15,8 @@ MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 # What a web process imports (app.web.processes._serve_web, app.web.server.launch), and its parent's start.
 WEB_SIDE = ("app.main", "app.web.server", "app.web.processes", "app.web.proxy", "app.web.uploads", "app.web.guard",
-            "app.ui.layout", "app.ui.handlers", "app.ui.cancellable", "app.ui.mcp_tools", "app.engine.client",
+            "app.web.openai_api", "app.ui.layout", "app.ui.handlers", "app.ui.cancellable", "app.ui.mcp_tools",
+            "app.engine.client",
             "app.engine.backends")
 
 

@@ -24,8 +24,8 @@ class SameLogits:
         self.steps += 1
         return self.logits.expand(tokens.shape[0], -1).clone()
 
-    def choose(self, logits, rows, seen, barred):
-        return choose(logits, rows, seen, barred, torch.tensor([END]))
+    def choose(self, logits, rows, seen, barred, generators=None):
+        return choose(logits, rows, seen, barred, torch.tensor([END]), generators)
 
     def tokens_on_device(self, tokens):
         return torch.tensor(tokens)

@@ -63,6 +63,7 @@ def test_start_from_environment_with_share_and_a_small_line_keeps_serving_locall
         time.sleep(3)  # give the share attempt time to finish
         output = log_path.read_text()
         assert "Warm-up took" in output and "--share without --auth" in output
+        assert "--share without --api-key" in output  # the OpenAI-compatible API is as open as the page
         assert "Could not create share link" in output or "public URL" in output
         assert process.poll() is None  # still serving
     finally:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import orjson
 import pytest
+from openai import OpenAI
 from gradio.server_messages import (EstimationMessage, HeartbeatMessage, ProcessCompletedMessage,
                                     ProcessGeneratingMessage, ProcessStartsMessage)
 from gradio_client import Client
@@ -27,6 +28,7 @@ from tests.test_api import FIXED, stream
 from tests import test_browser
 from tests.test_browser import STATS_LINE, ask_about_an_image, open_page, set_max_new_tokens
 from tests.test_engine_process import answers_at_once, reply, user
+from tests.test_openai_api import data_url, direct, said
 
 PROCESSES = 2
 FRONTS = 2
@@ -116,6 +118,42 @@ def test_the_rest_api_finds_its_event_on_either_process(app, tmp_path):
             events = http.get(f"/gradio_api/call/ask/{event_id}").text
             assert "event: complete" in events, events
             assert '"new_tokens": 24' in events
+
+
+def test_the_openai_api_streams_through_the_fronts_from_either_web_process(app, manager, tmp_path):
+    api = OpenAI(base_url=app.url + "/v1", api_key="not-needed-on-loopback", max_retries=0)
+    picture = make_image(tmp_path, "small.png", size=(200, 160))
+    messages = said("What is this?", {"type": "image_url", "image_url": {"url": data_url(picture)}})
+    expected = direct(manager, [{"role": "user", "content": [{"type": "image", "path": picture},
+                                                             {"type": "text", "text": "What is this?"}]}]).text
+    exact = {"model": "tiny-random", "messages": messages, "max_tokens": 24, "temperature": 0, "extra_body": {"min_tokens": 24}}
+    for _ in range(2 * PROCESSES):  # the requests go to the processes in turn
+        assert api.chat.completions.create(**exact).choices[0].message.content == expected
+    chunks = list(api.chat.completions.create(**exact, stream=True))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected and len(chunks) >= 4
+    # A client that leaves in the middle of a reply takes it out of the batch behind the fronts too.
+    long = api.chat.completions.create(model="tiny-random", messages=said("Go on and on."), stream=True,
+                                       max_tokens=4000, extra_body={"min_tokens": 4000})
+    pieces = iter(long)
+    for _ in range(3):
+        next(pieces)
+    assert wait_for(lambda: app.metric("minicpmv_batch_size") == 1, 30)
+    long.close()
+    assert wait_for(lambda: app.metric("minicpmv_batch_size") == 0, 20)  # well before 4000 tokens
+
+
+def test_an_api_request_that_no_web_process_takes_gets_openais_error_shape():
+    import asyncio
+
+    from app.web.proxy import Front
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=Front([f"http://127.0.0.1:{free_port()}"]))
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            return await client.post("/v1/chat/completions", json={"messages": []})
+
+    response = asyncio.run(ask())
+    assert response.status_code == 503 and response.json()["error"]["message"] == MSG_WEB_PROCESS_DOWN
 
 
 def test_the_page_streams_through_the_front_and_a_closed_tab_frees_the_batch(app, browser, red_image):

@@ -10,8 +10,9 @@ class ReplyEvent(str, Enum):
 
     PREPARED = "prepared"  # app.engine.replies.prepared_summary: the inputs are ready
     PLACE = "place"  # requests ahead of it in the wait line
+    FIRST_TOKEN = "first_token"  # {"started_at", "first_token_at"}: just before the first tokens
     TOKENS = "tokens"  # [token ids] since the last
-    END = "end"  # {"new_tokens", "started_at", "first_token_at"}: the reply is whole
+    END = "end"  # {"new_tokens", "started_at", "first_token_at", "finish_reason": "stop" or "length"}: the reply is whole
     REFUSED = "refused"  # Busy: the wait line is full
     ERROR = "error"  # the exception that ended it
     STOPPED = "stopped"  # None: the caller's StopSignal was set; the reply ends at once, its stats so far

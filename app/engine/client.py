@@ -23,7 +23,7 @@ from app.engine.api import EngineCall
 from app.engine.replies import follow_reply
 from app.engine.stop_signal import StopSignal
 from app.engine.api import ReplyEvent
-from app.errors import UserError
+from app.errors import NotReady, UserError
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,12 @@ class EngineClient:
         self._connection = None
         self._closing = False
         self._default_settings = None  # cached per loaded model (see default_settings)
+        self._switching = False  # a model switch this process asked for is under way
 
     @property
     def loaded(self) -> bool:
-        return self._ready.is_set()
+        """Connected to an engine process that takes requests (not while it restarts or switches models)."""
+        return self._ready.is_set() and not self._switching
 
     def warm_up(self) -> float:
         return self._call(EngineCall.WARM_UP)
@@ -74,7 +76,7 @@ class EngineClient:
         if self._closing:
             return
         self._ready.clear()
-        lost = UserError(MSG_ENGINE_PROCESS_LOST)
+        lost = NotReady(MSG_ENGINE_PROCESS_LOST)
         for events in list(self._streams.values()):
             events.put((ReplyEvent.ERROR, lost))
         for results in list(self._calls.values()):
@@ -90,12 +92,12 @@ class EngineClient:
         if not self._ready.wait(limits.SWITCH_WAIT_S if wait else 0):
             if not wait:
                 return
-            raise UserError(MSG_ENGINE_PROCESS_DOWN)
+            raise NotReady(MSG_ENGINE_PROCESS_DOWN)
         try:
             with self._send_lock:
                 self._connection.send(message)
         except (OSError, ValueError) as error:  # the process has just died: the reader deals with it
-            raise UserError(MSG_ENGINE_PROCESS_LOST) from error
+            raise NotReady(MSG_ENGINE_PROCESS_LOST) from error
 
     def _call(self, method: EngineCall, *args):
         call_id = next(self._ids)
@@ -135,9 +137,11 @@ class EngineClient:
         return self._call(EngineCall.PROFILE_GPU, seconds)
 
     def switch(self, model: str) -> dict:
+        self._switching = True
         try:
             result = self._call(EngineCall.SWITCH, model)
         finally:
+            self._switching = False
             self._default_settings = None
         self.config = replace(self.config, model=model)  # so that a restarted engine process loads this one
         self._tokenizer_for(self.info().path)
@@ -163,7 +167,7 @@ class EngineClient:
         except UserError:
             del self._streams[request_id]
             raise
-        yield from follow_reply(events, self._tokenizer_for, requested_at, close)
+        yield from follow_reply(events, self._tokenizer_for, requested_at, close, settings=settings)
 
     def _tokenizer_for(self, model_path: str):
         return _tokenizer(model_path, self.config.trust_remote_code)

@@ -28,7 +28,7 @@ from app.engine.scheduler import Request, Scheduler
 from app.engine.api import ModelInfo, ReplyEvent, ReplyUpdate
 from app.engine.settings import GenerationSettings
 from app.engine.stop_signal import StopSignal
-from app.errors import Busy, UserError
+from app.errors import Busy, NotReady, UserError
 from app.media.budget import SlicePlan, plan_slices
 from app.media.images import image_size
 from app.zerogpu import zero_gpu_enabled
@@ -136,7 +136,8 @@ class ModelManager:
 
     @property
     def loaded(self) -> bool:
-        return self.model is not None
+        """A model is loaded and takes requests (not while one is switched in)."""
+        return self._ready.is_set()
 
     def switch(self, model: str) -> dict:
         """Serve `model` instead of the current one; replies in progress finish first.
@@ -189,7 +190,7 @@ class ModelManager:
 
     def _wait_until_ready(self) -> None:
         if not self._ready.wait(limits.SWITCH_WAIT_S):
-            raise UserError(MSG_SWITCHING)
+            raise NotReady(MSG_SWITCHING)
 
     def info(self) -> ModelInfo:
         self._wait_until_ready()
@@ -327,7 +328,7 @@ class ModelManager:
 
         yield from follow_reply(events, lambda path: self.processor.tokenizer, requested_at,
                                 lambda outcome: self.end_request(cancelled, outcome),
-                                self.scheduler.drive if self.scheduler.inline else None)
+                                self.scheduler.drive if self.scheduler.inline else None, settings)
 
     def end_request(self, cancelled: threading.Event, outcome: str) -> None:
         """The caller is done with a request (`outcome` as in metrics.OUTCOMES): it leaves the batch."""

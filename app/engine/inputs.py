@@ -190,6 +190,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
                    pixel_dtype=None) -> PreparedInputs:
     """Model inputs for the conversation; the oldest turns are left out (with a notice) when it holds more
     media than one request may (the latest turn alone still must fit), then while it outgrows the context.
+    A system message (first, if any) is always kept.
 
     Floating-point pixels (a video's) come in `pixel_dtype` (the vision tower's): the model would cast
     them on the GPU anyway, and float32 doubles what crosses from a worker process and to the GPU (24
@@ -199,16 +200,18 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
         raise UserError(MSG_EMPTY_REQUEST)
     _check_text(messages)
     images: dict[str, object] = {}  # path -> decoded pixels, kept across trimming attempts
+    system = messages[:1] if messages[0]["role"] == "system" else []  # kept whatever is left out
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
     media_start = next((start for start in turn_starts if _media_fit(messages[start:])), turn_starts[-1])
     for start in turn_starts[turn_starts.index(media_start):]:
-        prepared = _prepare(processor, messages[start:], settings, images)
+        prepared = _prepare(processor, system + messages[start:], settings, images)
         needed = prepared.prompt_tokens + settings.max_new_tokens
         if needed <= max_context_tokens:
+            left_out = start - len(system)
             if start > media_start:
-                prepared.notices.insert(0, MSG_CONTEXT_TRIMMED.format(count=start, limit=max_context_tokens))
-            elif start:
-                prepared.notices.insert(0, MSG_MEDIA_TRIMMED.format(count=start, limit=limits.MAX_IMAGES_PER_REQUEST))
+                prepared.notices.insert(0, MSG_CONTEXT_TRIMMED.format(count=left_out, limit=max_context_tokens))
+            elif left_out:
+                prepared.notices.insert(0, MSG_MEDIA_TRIMMED.format(count=left_out, limit=limits.MAX_IMAGES_PER_REQUEST))
             for key in PIXEL_KEYS if pixel_dtype is not None else ():
                 pixels = prepared.tensors.get(key)
                 if pixels is not None and pixels.is_floating_point():

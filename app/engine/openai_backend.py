@@ -28,7 +28,7 @@ from app.engine.replies import timing_stats
 from app.engine.metrics import EngineMetrics
 from app.engine.settings import GenerationSettings
 from app.engine.stop_signal import StopSignal
-from app.errors import UserError
+from app.errors import Busy, NotReady, ServingFailed, UserError
 from app.media.images import load_image
 from app.media.video import sample_video
 
@@ -140,6 +140,10 @@ class OpenAIEngine:
             payload["min_tokens"] = settings.min_new_tokens
         if settings.enable_thinking is not None:  # unset: the server's chat template decides
             payload["chat_template_kwargs"] = {"enable_thinking": settings.enable_thinking}
+        if settings.stop:
+            payload["stop"] = list(settings.stop)
+        if settings.seed is not None and settings.do_sample:
+            payload["seed"] = settings.seed
         return payload
 
     def stream(self, messages: list[dict], settings: GenerationSettings,
@@ -152,7 +156,7 @@ class OpenAIEngine:
         requested_at = time.perf_counter()
         converted, frames = _openai_messages(messages, settings)
         prepared_at = time.perf_counter()
-        text, reasoning, usage, first_at, chunks = "", "", {}, None, 0
+        text, reasoning, usage, first_at, chunks, finish_reason = "", "", {}, None, 0, None
         with self._running_lock:
             self._running += 1
         outcome = "error"  # unless it finishes, or the caller stops it
@@ -162,11 +166,11 @@ class OpenAIEngine:
                 if stop is not None:
                     stop.on_set(response.close)
                 if response.status_code >= 400:
-                    raise UserError(MSG_ENGINE_REFUSED.format(
-                        status=response.status_code, detail=response.read().decode(errors="replace")[:300]))
+                    raise _refusal(response.status_code, response.read().decode(errors="replace")[:300])
                 for event in _events(response):
                     usage = event.get("usage") or usage
                     for choice in event.get("choices", []):
+                        finish_reason = choice.get("finish_reason") or finish_reason
                         delta = choice.get("delta", {})
                         piece = delta.get("content") or ""
                         thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
@@ -182,26 +186,37 @@ class OpenAIEngine:
         except GeneratorExit:
             outcome = "stopped"
             raise
+        except Busy:  # the server's line is full: turned away, as this app's own engine counts it
+            outcome = "busy"
+            raise
         except httpx.ConnectError as error:
-            raise UserError(MSG_ENGINE_DOWN.format(url=self.base_url)) from error
+            raise NotReady(MSG_ENGINE_DOWN.format(url=self.base_url)) from error
         except httpx.TimeoutException as error:
-            raise UserError(MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
+            raise ServingFailed(MSG_ENGINE_SLOW.format(url=self.base_url, seconds=limits.ENGINE_READ_TIMEOUT_S)) from error
         except (httpx.TransportError, httpx.StreamClosed, json.JSONDecodeError) as error:
             if stop is not None and stop.is_set:
                 outcome = "stopped"
                 return
-            raise UserError(MSG_ENGINE_BROKE.format(url=self.base_url)) from error
+            raise ServingFailed(MSG_ENGINE_BROKE.format(url=self.base_url)) from error
         finally:
             self.metrics.request_done(outcome)
             with self._running_lock:
                 self._running -= 1
         stats = _stats(usage, frames, usage.get("completion_tokens", chunks), requested_at, prepared_at, first_at)
+        stats["finish_reason"] = finish_reason or "stop"
         yield ReplyUpdate(text=self._joined(reasoning, text), stats=stats)
 
     @staticmethod
     def _joined(reasoning: str, text: str) -> str:
         """Servers that split reasoning into its own field get it back as a <think> block for display."""
         return f"<think>{reasoning}</think>{text}" if reasoning else text
+
+
+def _refusal(status: int, detail: str) -> UserError:
+    """The server's refusal of a request, as the error of its kind: busy, not ready, bad input, or a failure."""
+    message = MSG_ENGINE_REFUSED.format(status=status, detail=detail)
+    kind = {429: Busy, 503: NotReady}.get(status, UserError if 400 <= status < 500 else ServingFailed)
+    return kind(message)
 
 
 def _events(response) -> Iterator[dict]:

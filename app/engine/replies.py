@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 from app.messages import MSG_GENERATION_FAILED, MSG_OUT_OF_MEMORY
 from app.engine.api import ReplyEvent, ReplyUpdate
-from app.errors import UserError
+from app.errors import ServingFailed, UserError
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 def timing_stats(new_tokens: int, requested_at: float, prepared_at: float, started_at: float | None,
                  first_token_at: float | None, finished_at: float) -> dict:
     """The timing part of a reply's stats, from perf_counter() readings; tokens_per_s is the decode rate.
-    `started_at` (when its prefill began) is None for a stopped reply: the engine never said."""
+    `started_at` (when its prefill began) is None where the engine never said (stopped before its first token)."""
     first = first_token_at or finished_at
     decode_s = finished_at - first
     return {
@@ -47,8 +47,10 @@ class TextAssembler:
         self.tokenizer = tokenizer
         self.done_text = ""
         self.line_tokens: list[int] = []
+        self.tokens = 0  # added so far
 
     def add(self, token: int) -> None:
+        self.tokens += 1
         self.line_tokens.append(token)
         line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True)
         if line.endswith("\n"):
@@ -59,6 +61,45 @@ class TextAssembler:
     def text(self) -> str:
         line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True) if self.line_tokens else ""
         return self.done_text + line.rstrip("\ufffd")
+
+    def cut(self, length: int) -> None:
+        """Keep the first `length` characters of the text and nothing more (tokens added later are dropped)."""
+        self.done_text, self.line_tokens = self.text[:length], []
+
+
+class StopTexts:
+    """Where a reply first holds one of its stop texts, looked for as each token comes, as vLLM's
+    detokenizer does: only once the reply has its minimum length, and only in the text new since the last
+    look (with room for a stop text that began before it). The reply ends there, without the stop text."""
+
+    def __init__(self, stop: tuple[str, ...], min_tokens: int):
+        self.stop, self.min_tokens = stop, min_tokens
+        # An update shows all but this many last characters: they could be the start of a stop text.
+        self.held = max(len(text) for text in stop) - 1
+        self.looked = 0  # characters of the text already looked through
+
+    def find(self, text: str, tokens: int) -> int | None:
+        """Where the first stop text starts in `text` (a reply of `tokens` tokens), if it holds one now."""
+        start, self.looked = self.looked, len(text)
+        if tokens < self.min_tokens:
+            return None
+        found = [at for at in (text.find(stop, max(0, start - len(stop) + 1)) for stop in self.stop) if at >= 0]
+        return min(found) if found else None
+
+    def shown(self, text: str) -> str:
+        return text[:len(text) - self.held] if self.held else text
+
+
+def _add_tokens(text: TextAssembler, tokens: list[int], stops: StopTexts | None) -> bool:
+    """Add `tokens` to the text; True if a stop text ended the reply (the text is then cut before it)."""
+    for token in tokens:
+        text.add(token)
+        if stops is not None:
+            at = stops.find(text.text, text.tokens)
+            if at is not None:
+                text.cut(at)
+                return True
+    return False
 
 
 def prepared_summary(prepared, model_path: str, prepared_at: float) -> dict:
@@ -81,17 +122,19 @@ def prepared_summary(prepared, model_path: str, prepared_at: float) -> dict:
 
 
 def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], object], requested_at: float,
-                 close: Callable[[str], None], wait_for_events: Callable[[], None] | None = None) -> Iterator[ReplyUpdate]:
+                 close: Callable[[str], None], wait_for_events: Callable[[], None] | None = None,
+                 settings=None) -> Iterator[ReplyUpdate]:
     """A request's events turned into reply updates, its tokens into text by `tokenizer_for(model path)`;
-    `close(outcome)` runs when the reply ends or is dropped; `wait_for_events`, if given, is called while
-    no event is there (inline mode drives the scheduler).
+    `close(outcome)` runs when the reply ends or is dropped (the request then leaves the batch: so does one
+    that a stop text of `settings` ended); `wait_for_events`, if given, is called while no event is there
+    (inline mode drives the scheduler).
 
     Events: (app.engine.api.Event, its value). The same loop serves a request run in this process and one run
     in the engine process (app.engine.process).
     """
     outcome = "stopped"
-    prepared = first_received_at = None
-    received = 0
+    prepared = first_received_at = timing = None
+    stops = StopTexts(settings.stop, settings.min_new_tokens) if settings is not None and settings.stop else None
     try:
         while True:
             while wait_for_events is not None and events.empty():
@@ -107,13 +150,17 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
                 raise as_user_error(value)
             elif kind == ReplyEvent.PLACE:
                 yield ReplyUpdate(text="", waiting_ahead=value)
+            elif kind == ReplyEvent.FIRST_TOKEN:
+                timing = value
             elif kind == ReplyEvent.TOKENS:
                 first_received_at = first_received_at or time.perf_counter()
-                received += len(value)
-                for token in value:
-                    text.add(token)
+                if _add_tokens(text, value, stops):
+                    value = {**timing, "new_tokens": text.tokens, "finish_reason": "stop"}
+                    outcome = "finished"
+                    break
                 if events.empty():  # else the consumer fell behind (a busy web server): one update for all
-                    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
+                    shown = stops.shown(text.text) if stops is not None else text.text
+                    yield ReplyUpdate(text=shown, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"])
             elif kind == ReplyEvent.END:
                 outcome = "finished"
                 break
@@ -123,19 +170,26 @@ def follow_reply(events: queue.SimpleQueue, tokenizer_for: Callable[[str], objec
         close(outcome)
     if prepared is None:  # stopped before its inputs were ready: nothing was said
         return
-    if outcome == "stopped":  # what this side saw of it: the tokens that reached it, when the first did
-        ended = {"new_tokens": received, "started_at": None, "first_token_at": first_received_at}
-    else:
-        ended = value
+    if outcome == "stopped":  # what it had said when the caller stopped it
+        timing = timing or {"started_at": None, "first_token_at": first_received_at}
+        value = {**timing, "new_tokens": text.tokens, "finish_reason": "stop"}
+    yield _last_update(text.text, prepared, value, requested_at, first_received_at, stopped=outcome == "stopped")
+
+
+def _last_update(text: str, prepared: dict, ended: dict, requested_at: float, first_received_at: float | None,
+                 stopped: bool) -> ReplyUpdate:
+    """The whole reply with its stats, from its prepared summary and how it ended (the END event's value, or
+    the same made here for a reply its caller stopped)."""
     stats = dict(prepared["counts"])
     stats.update(timing_stats(ended["new_tokens"], requested_at, prepared["prepared_at"], ended["started_at"],
                               ended["first_token_at"], time.perf_counter()))
+    stats["finish_reason"] = ended["finish_reason"]
     stats["preparation_ms"] = preparation_stages(requested_at, prepared["timeline"], prepared["prepared_at"])
-    if first_received_at is not None and outcome != "stopped":  # the first token's way here from the engine's loop
+    if first_received_at is not None and ended["first_token_at"] is not None:  # its way here from the engine's loop
         stats["first_token_delivery_ms"] = round((first_received_at - ended["first_token_at"]) * 1000, 1)
     stats["requested_at"] = round(time.time() - (time.perf_counter() - requested_at), 3)  # Unix time
-    yield ReplyUpdate(text=text.text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats,
-                      stopped=outcome == "stopped")
+    return ReplyUpdate(text=text, notices=prepared["notices"], opens_thinking=prepared["opens_thinking"], stats=stats,
+                       stopped=stopped)
 
 
 def as_user_error(error: BaseException) -> UserError:
@@ -143,6 +197,6 @@ def as_user_error(error: BaseException) -> UserError:
     if isinstance(error, UserError):
         return error
     if type(error).__name__ == "OutOfMemoryError" and type(error).__module__.startswith("torch"):  # not importing torch
-        return UserError(MSG_OUT_OF_MEMORY)
+        return ServingFailed(MSG_OUT_OF_MEMORY)
     log.error("Generation failed", exc_info=error)
-    return UserError(MSG_GENERATION_FAILED.format(error=f"{type(error).__name__}: {error}"))
+    return ServingFailed(MSG_GENERATION_FAILED.format(error=f"{type(error).__name__}: {error}"))

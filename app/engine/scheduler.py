@@ -42,7 +42,7 @@ from app.engine.metrics import EngineMetrics
 from app.engine.api import ReplyEvent
 from app.engine.settings import GenerationSettings, RowSettings
 from app.engine.waves import wave_size
-from app.errors import Busy, UserError
+from app.errors import Busy, ServingFailed
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class Request:
     last_token: int | None = None
     done: bool = False  # it ended: it leaves at the next step boundary
     seen: object = None  # token ids seen so far (on the device), kept only under a repetition penalty
+    generator: object = None  # its own random draws (a torch.Generator on the device), for a sampled reply with a seed
+    finish_reason: str = "stop"  # "length" when it ends at its max_new_tokens
     delivered: int = 0  # generated tokens already handed to the caller
     delivered_at: float = 0.0
     place: int | None = None
@@ -265,6 +267,8 @@ class Scheduler:
         for request in admitted:
             if request.settings.repetition_penalty != 1.0:
                 request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
+            if request.settings.seed is not None and request.settings.do_sample:
+                request.generator = self.runner.generator(request.settings.seed)
         self._running.extend(admitted)
         self._hand_out(admitted, self._choose(admitted, logits, ahead=0).read_back.tolist())
         self.metrics.tokens(len(admitted))
@@ -299,7 +303,8 @@ class Scheduler:
         """Each request's next token from its row of `logits` (an app.model.sampling.Choice); `ahead`:
         tokens chosen for each and not handed out yet (they count towards its minimum length)."""
         barred = [len(r.generated) + ahead < r.settings.min_new_tokens for r in requests]
-        choice = self.runner.choose(logits, [r.row for r in requests], [r.seen for r in requests], barred)
+        choice = self.runner.choose(logits, [r.row for r in requests], [r.seen for r in requests], barred,
+                                    [r.generator for r in requests])
         for request, seen in zip(requests, choice.seen):
             request.seen = seen
         return choice
@@ -324,7 +329,7 @@ class Scheduler:
         """Record `token` for its request, which is done if it ends here (it leaves after the step)."""
         if token < 0:  # it could not be sampled (app.model.sampling): it fails alone, the others go on
             request.done = True
-            request.emit(ReplyEvent.ERROR, UserError(MSG_SAMPLING_FAILED))
+            request.emit(ReplyEvent.ERROR, ServingFailed(MSG_SAMPLING_FAILED))
             return
         ended = token in self._end_token_set
         if not ended:
@@ -333,6 +338,8 @@ class Scheduler:
                 self.metrics.first_token(now - request.requested_at)
             request.generated.append(token)
             ended = len(request.generated) >= request.settings.max_new_tokens
+            if ended:
+                request.finish_reason = "length"
         request.last_token, request.done = token, ended
         self._deliver(request, ended, now, interval)
 
@@ -347,11 +354,13 @@ class Scheduler:
         """
         if len(request.generated) > request.delivered and (
                 ended or not request.delivered or now - request.delivered_at >= interval):
+            if not request.delivered:  # what a reply ended early by its caller (a stop text) needs for its stats
+                request.emit(ReplyEvent.FIRST_TOKEN, {"started_at": request.started_at, "first_token_at": request.first_token_at})
             request.emit(ReplyEvent.TOKENS, request.generated[request.delivered:])
             request.delivered, request.delivered_at = len(request.generated), now
         if ended:
             request.emit(ReplyEvent.END, {"new_tokens": len(request.generated), "started_at": request.started_at,
-                                 "first_token_at": request.first_token_at})
+                                          "first_token_at": request.first_token_at, "finish_reason": request.finish_reason})
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         """Give `error` to each of `requests`, after releasing what an out-of-memory left cached."""

@@ -33,6 +33,9 @@ class GenerationSettings:
     video_fps: float = limits.DEFAULT_VIDEO_FPS
     video_max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES
     video_slices_per_frame: int = limits.DEFAULT_VIDEO_SLICES_PER_FRAME
+    # Texts that end the reply where the first of them appears, left out of it (app.engine.replies).
+    stop: tuple[str, ...] = ()
+    seed: int | None = None  # a sampled reply's draws repeat with the same seed (app.model.sampling)
 
     def with_overrides(self, overrides: dict) -> "GenerationSettings":
         """These settings with `overrides` applied, each checked; unknown keys and bad values raise UserError."""
@@ -67,6 +70,9 @@ class GenerationSettings:
         _in_range("video_fps", self.video_fps, 0.01, limits.MAX_VIDEO_FPS)
         _in_range("video_max_frames", self.video_max_frames, 1, limits.MAX_VIDEO_FRAMES)
         _in_range("video_slices_per_frame", self.video_slices_per_frame, 1, limits.MAX_VIDEO_SLICES_PER_FRAME)
+        _check_stop(self.stop)
+        if self.seed is not None:
+            _in_range("seed", self.seed, -2**63, 2**64 - 1)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -78,9 +84,11 @@ def parse_flag(key: str, value) -> bool:
 
 
 def _coerce(key: str, value, kind):
+    if kind in (bool | None, int | None):  # None: left to its default (the template's, or no seed)
+        return None if value is None else _coerce(key, value, kind.__args__[0])
+    if kind == tuple[str, ...]:
+        return _texts(key, value)
     try:
-        if kind == bool | None:
-            return None if value is None else _coerce(key, value, bool)
         if kind in (bool, "bool"):
             if isinstance(value, bool):
                 return value
@@ -100,6 +108,25 @@ def _coerce(key: str, value, kind):
         expected = {"bool": "true or false", "int": "a whole number", "float": "a number"}.get(
             getattr(kind, "__name__", kind), "text")
         raise UserError(MSG_BAD_SETTING.format(key=key, problem=f"expected {expected}, got {value!r}")) from None
+
+
+def _texts(key: str, value) -> tuple[str, ...]:
+    """One text or a list of texts (a stop setting) as a tuple; None: none."""
+    if value is None:
+        return ()
+    texts = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
+    if texts is None or not all(isinstance(text, str) for text in texts):
+        raise UserError(MSG_BAD_SETTING.format(key=key, problem=f"expected a text or a list of texts, got {value!r}"))
+    return texts
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    if len(stop) > limits.MAX_STOP_STRINGS:
+        raise UserError(MSG_BAD_SETTING.format(key="stop", problem=f"at most {limits.MAX_STOP_STRINGS} texts, got {len(stop)}"))
+    for text in stop:
+        if not 1 <= len(text) <= limits.MAX_STOP_STRING_CHARS:
+            raise UserError(MSG_BAD_SETTING.format(
+                key="stop", problem=f"each text is 1 to {limits.MAX_STOP_STRING_CHARS} characters, got {len(text)}"))
 
 
 def _in_range(key: str, value, low, high) -> None:

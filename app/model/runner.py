@@ -157,10 +157,15 @@ class BatchRunner:
         self.store.lengths[:tokens.shape[0]] += 1
         return logits
 
-    def choose(self, logits: torch.Tensor, rows: list, seen: list, barred: list[bool]) -> Choice:
+    def choose(self, logits: torch.Tensor, rows: list, seen: list, barred: list[bool],
+               generators: list | None = None) -> Choice:
         """Each row's next token from `logits` (app.model.sampling.choose), this model's end tokens barred
-        where `barred`."""
-        return choose(logits, rows, seen, barred, self._end_tokens)
+        where `barred`; a row with a generator (see `generator`) draws with it."""
+        return choose(logits, rows, seen, barred, self._end_tokens, generators)
+
+    def generator(self, seed: int) -> torch.Generator:
+        """A reply's own random draws on this device, repeatable from `seed`."""
+        return torch.Generator(device=self.device).manual_seed(seed % 2**64)
 
     def tokens_on_device(self, tokens: list[int]) -> torch.Tensor:
         return on_device(tokens, torch.long, self.device)

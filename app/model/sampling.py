@@ -1,7 +1,8 @@
 """Next-token choice for a batch whose rows each have their own decoding settings.
 
 The order follows transformers' generate(): repetition penalty, minimum length (end tokens barred),
-then greedy argmax, or temperature, top-k and top-p before drawing a sample.
+then greedy argmax, or temperature, top-k and top-p before drawing a sample. A row with a generator of its
+own (a reply with a seed) draws with it, so that its draws do not depend on the batch it is in.
 """
 
 from dataclasses import dataclass
@@ -22,9 +23,9 @@ class Choice:
 
 
 def choose(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.Tensor | None], barred: list[bool],
-           end_token_ids: torch.Tensor) -> Choice:
+           end_token_ids: torch.Tensor, generators: list | None = None) -> Choice:
     """next_tokens, with what the scheduler needs of them; nothing here waits for the GPU."""
-    chosen = next_tokens(logits, rows, seen, barred, end_token_ids)
+    chosen = next_tokens(logits, rows, seen, barred, end_token_ids, generators)
     as_input = usable_as_input(chosen, rows)
     # On the device, so that the next step's choice need not wait.
     seen = [None if tokens is None else torch.cat([tokens, as_input[row:row + 1]]) for row, tokens in enumerate(seen)]
@@ -32,11 +33,12 @@ def choose(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.Tenso
 
 
 def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.Tensor | None],
-                barred: list[bool], end_token_ids: torch.Tensor) -> torch.Tensor:
+                barred: list[bool], end_token_ids: torch.Tensor, generators: list | None = None) -> torch.Tensor:
     """One token per row of `logits` [n, vocab]; -1 for a sampled row that could not be sampled (_sample).
 
     seen[i]: token ids row i has seen (prompt and reply), needed only when it has a repetition penalty;
-    barred[i]: row i is below its minimum length, so it may not end yet.
+    barred[i]: row i is below its minimum length, so it may not end yet; generators[i] (None: the global
+    generator): what a sampled row i draws with.
 
     On a GPU nothing here waits for it (tests/test_sampling.py checks in torch's sync debug mode): the
     scheduler calls this right after launching a decode step. Hence gathers and scatters rather than
@@ -60,7 +62,8 @@ def next_tokens(logits: torch.Tensor, rows: list[RowSettings], seen: list[torch.
     sampled = [row for row, settings in enumerate(rows) if settings.do_sample]
     if sampled:
         index = on_device(sampled, torch.long, logits.device)
-        chosen.index_copy_(0, index, _sample(logits.index_select(0, index), [rows[row] for row in sampled]))
+        own = [generators[row] for row in sampled] if generators else [None] * len(sampled)
+        chosen.index_copy_(0, index, _sample(logits.index_select(0, index), [rows[row] for row in sampled], own))
     return chosen
 
 
@@ -70,7 +73,7 @@ def usable_as_input(chosen: torch.Tensor, rows: list[RowSettings]) -> torch.Tens
     return chosen.clamp(min=0) if any(settings.do_sample for settings in rows) else chosen
 
 
-def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
+def _sample(logits: torch.Tensor, rows: list[RowSettings], generators: list) -> torch.Tensor:
     """Draw from each row's distribution after temperature, top-k and top-p; -1 for a row whose
     probabilities are not finite numbers (the model's logits were not), which then fails alone: its
     draw is made from a stand-in distribution, as torch.multinomial fails the whole batch on one bad row.
@@ -86,7 +89,7 @@ def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
     temperature = on_device([row.temperature for row in rows], torch.float32, device)[:, None]
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if all(row.top_k == 0 and row.top_p >= 1.0 for row in rows):
-        return _draw(logits.softmax(dim=-1))
+        return _draw(logits.softmax(dim=-1), generators)
     if all(row.top_k for row in rows):
         ordered, order = logits.topk(max(row.top_k for row in rows), dim=-1)
     else:
@@ -98,12 +101,29 @@ def _sample(logits: torch.Tensor, rows: list[RowSettings]) -> torch.Tensor:
     probabilities = ordered.softmax(dim=-1)
     mass_before = probabilities.cumsum(dim=-1) - probabilities
     ordered = ordered.masked_fill((mass_before > top_p) & (rank > 0), float("-inf"))
-    picks = _draw(ordered.softmax(dim=-1))
-    return torch.where(picks < 0, picks, order.gather(-1, picks.clamp(min=0)[:, None])[:, 0])
+    probabilities = ordered.softmax(dim=-1)
+    picks = _draw(probabilities, [None] * len(rows))
+    picks = torch.where(picks < 0, picks, order.gather(-1, picks.clamp(min=0)[:, None])[:, 0])
+    seeded = [row for row, generator in enumerate(generators) if generator is not None]
+    if seeded:  # drawn in the vocabulary's order: how far the batch's rows were ordered must not matter
+        index = on_device(seeded, torch.long, device)
+        in_vocabulary = torch.zeros((len(seeded), logits.shape[-1]), device=device).scatter_(
+            1, order.index_select(0, index), probabilities.index_select(0, index))
+        picks = picks.index_copy(0, index, _draw(in_vocabulary, [generators[row] for row in seeded]))
+    return picks
 
 
-def _draw(probabilities: torch.Tensor) -> torch.Tensor:
-    """One draw a row; -1 for a row that holds anything but finite numbers."""
+def _draw(probabilities: torch.Tensor, generators: list) -> torch.Tensor:
+    """One draw a row; -1 for a row that holds anything but finite numbers. A row with a generator of its own
+    draws with it, as vLLM's sampler does: the token whose probability over its own exponential noise is the
+    largest (a draw from the distribution), with noise for every token of the row whatever the batch holds,
+    so that the same seed makes the same draws in any batch."""
     finite = probabilities.isfinite().all(dim=-1)
-    picks = torch.multinomial(torch.where(finite[:, None], probabilities, 1.0), num_samples=1)[:, 0]
+    probabilities = torch.where(finite[:, None], probabilities, 1.0)
+    picks = torch.multinomial(probabilities, num_samples=1)[:, 0]
+    seeded = [row for row, generator in enumerate(generators) if generator is not None]
+    if seeded:
+        own = torch.stack([(probabilities[row] / torch.empty_like(probabilities[row]).exponential_(generator=generators[row]))
+                           .argmax() for row in seeded])
+        picks = picks.index_copy(0, on_device(seeded, torch.long, probabilities.device), own)
     return torch.where(finite, picks, -1)

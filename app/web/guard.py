@@ -1,4 +1,4 @@
-"""The login in front of every route, and /metrics' token.
+"""The login in front of every route, /metrics' token, and the OpenAI-compatible API's key.
 
 Gradio 6.31 checks the login route by route (a `login_check` dependency in gradio.routes.App.create_app)
 and leaves many routes open even with auth: FastAPI's /openapi.json, /gradio_api/cancel and /reset, the
@@ -7,6 +7,10 @@ an ASGI middleware given to the app at launch, sits in front of all of them: a r
 login Gradio issued (its access-token cookie, found in `App.tokens`, as gradio.routes' `get_current_user`
 looks it up), with the login itself as HTTP Basic (what an MCP client or a script can send: a header, not
 a form), or when its path is one the login form needs before there is a login.
+
+The OpenAI-compatible API (/v1/...) is a server's API, not the page's: it takes its own key
+(`Authorization: Bearer`, --api-key) and never the page's login (its cookie, which a browser would send
+along with a request that another site's page made it send, or HTTP Basic).
 """
 
 import base64
@@ -16,6 +20,9 @@ import inspect
 
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse
+
+from app.messages import MSG_API_KEY_MISSING, MSG_API_KEY_NOT_SET, MSG_API_KEY_WRONG
+from app.web.openai_errors import ApiError, is_api_path
 
 # What the login form needs, and nothing else (found with Chromium on Gradio 6.31): the page itself
 # (Gradio renders the form there until there is a login), its scripts, styles and fonts (/assets/,
@@ -60,14 +67,19 @@ def basic_login(connection: HTTPConnection, accounts) -> bool:
 class LoginRequired:
     """With auth on (launch(auth=...)), every request needs the login but those to OPEN_PATHS and
     OPEN_PREFIXES. With `metrics_token`, GET /metrics also takes `Authorization: Bearer <token>`, and
-    without auth needs it."""
+    without auth needs it. The API (/v1/...) needs `api_key` as its bearer token when `api_key_needed`
+    (app.config.api_key_needed), and is closed then without one; else it is open."""
 
-    def __init__(self, app, metrics_token: str | None = None):
+    def __init__(self, app, metrics_token: str | None = None, api_key: str | None = None, api_key_needed: bool = False):
         self.app = app
         self.metrics_token = metrics_token
+        self.api_key, self.api_key_needed = api_key, api_key_needed
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or await self.allowed(scope):
+        if scope["type"] == "http" and is_api_path(route_path(scope)):
+            refusal = self.api_refusal(HTTPConnection(scope))
+            await (self.app if refusal is None else refusal.response())(scope, receive, send)
+        elif scope["type"] not in ("http", "websocket") or await self.allowed(scope):
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})  # before accepting: the client gets a 403
@@ -88,6 +100,17 @@ class LoginRequired:
         if not login_on or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return True
         return await logged_in(served, scope, connection)
+
+    def api_refusal(self, connection: HTTPConnection) -> ApiError | None:
+        """Why an API request may not pass (None: it may)."""
+        if self.api_key is None:
+            return ApiError(401, MSG_API_KEY_NOT_SET, code="invalid_api_key") if self.api_key_needed else None
+        token = bearer_token(connection)
+        if token is None:
+            return ApiError(401, MSG_API_KEY_MISSING, code="invalid_api_key")
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            return ApiError(401, MSG_API_KEY_WRONG, code="invalid_api_key")
+        return None
 
 
 async def logged_in(served, scope, connection: HTTPConnection) -> bool:

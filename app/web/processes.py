@@ -138,7 +138,8 @@ class WebProcesses(ChildProcesses):
         return [f"http://127.0.0.1:{port}" for port in self.ports]
 
     def _main(self, index: int) -> tuple:
-        return _serve_web, replace(self.config, host="127.0.0.1", port=self.ports[index]), index, self.engine_listen
+        local = replace(self.config, host="127.0.0.1", port=self.ports[index], public_host=self.config.host)
+        return _serve_web, local, index, self.engine_listen
 
     def _serves(self, index: int) -> str:
         return f"on port {self.ports[index]}"

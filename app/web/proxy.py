@@ -8,7 +8,8 @@ proxy sends requests that name the same key to the same process (by a hash of th
 POST /call hands out an event id and names no session; the proxy tags that id with its process
 (`abc.w1`), so the GET that follows it finds the process whichever proxy process takes it (several can
 share the address: app.web.processes.Fronts). Everything else (the page, its assets, uploads, files,
-/metrics) goes to the processes in turn: they share the upload folder and one engine process.
+/metrics, the OpenAI-compatible API's requests, whose streams are relayed as they come) goes to the processes
+in turn: they share the upload folder and one engine process.
 
 A web process that dies is started again (seconds later). Meanwhile the sessions it held are gone, and the
 proxy tells their clients so (EventsInProgress); a session whose process does not take connections goes to
@@ -30,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from app.messages import MSG_WEB_PROCESS_DOWN
+from app.web.openai_errors import ApiError, is_api_path
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +180,9 @@ class Front:
         key = routing_key(scope["path"], request.query_params, body)
         incoming, index = await self._send_on(request, body, key)
         if incoming is None:
-            await PlainTextResponse(MSG_WEB_PROCESS_DOWN, status_code=502)(scope, receive, send)
+            refusal = (ApiError(503, MSG_WEB_PROCESS_DOWN, "service_unavailable_error").response()  # in OpenAI's shape
+                       if is_api_path(scope["path"]) else PlainTextResponse(MSG_WEB_PROCESS_DOWN, status_code=502))
+            await refusal(scope, receive, send)
             return
         response_headers = [(name, value) for name, value in incoming.headers.raw if name.lower() not in _HOP_BY_HOP]
         if request.method == "POST" and incoming.status_code == 200 and _HANDS_OUT_EVENT_IDS.search(scope["path"]):

@@ -1,5 +1,5 @@
 """The web server of one web process: Gradio's launch (the UI, its queue, the upload route, the login in front
-of every route) and GET /metrics. Never imports torch."""
+of every route), GET /metrics and the OpenAI-compatible API (/v1, app.web.openai_api). Never imports torch."""
 
 import logging
 import os
@@ -7,8 +7,8 @@ import shutil
 import tempfile
 
 from app import limits
-from app.messages import MSG_SHARE_WITHOUT_AUTH
-from app.config import AppConfig, handler_slots
+from app.messages import MSG_SHARE_API_OPEN, MSG_SHARE_WITHOUT_AUTH
+from app.config import AppConfig, api_key_needed, handler_slots
 from app.startup import started
 
 log = logging.getLogger("app")
@@ -51,12 +51,15 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     from app.ui.cancellable import cancel_on_reset_route
     from app.ui.layout import CSS_PATH, build_demo
     from app.ui.mcp_tools import mcp_addresses, serve_mcp_tools
+    from app.web.openai_api import openai_routes
     from app.web.uploads import UploadJanitor, upload_route
     from app.web.guard import LoginRequired
     from starlette.middleware import Middleware
 
     if config.share and not config.auth:
         log.warning(MSG_SHARE_WITHOUT_AUTH)
+    if config.share and config.api_key is None and not api_key_needed(config):
+        log.warning(MSG_SHARE_API_OPEN)
     upload_folder = use_upload_folder(config)
     demo = build_demo(manager)  # caches its example media in the upload folder, which the janitor spares
     janitor = UploadJanitor(upload_folder)
@@ -82,19 +85,31 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
                 # Part of the app from its first request (a route added after launch() returns, which
                 # with --share is after the share-link attempt, answered 404 until then); listed before
                 # Gradio's routes, so that the upload route replaces Gradio's.
-                app_kwargs={"routes": [metrics_route(manager), upload_route(janitor), cancel_on_reset_route(demo)],
+                app_kwargs={"routes": [metrics_route(manager), upload_route(janitor), cancel_on_reset_route(demo),
+                                       *openai_routes(manager, janitor, slots)],
                             # Gradio checks the login route by route and misses some: this checks every request.
-                            "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token)],
+                            "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token,
+                                                      api_key=config.api_key, api_key_needed=api_key_needed(config))],
                             **mcp_app_kwargs})
     janitor.start(running=lambda: demo.is_running)
     if not quiet:
         print(f"* Running on {demo.local_url}" + ("" if config.share else " (--share for a public link)"), flush=True)
+        print(f"* OpenAI-compatible API at {demo.local_url}v1 ({api_access(config)})", flush=True)
         if config.mcp:
             print(f"* MCP server: {mcp_addresses(demo.local_url)}", flush=True)
     started()  # Gradio and the UI: 166,000 objects, 0.18 s a full collection on the dev machine
     if not prevent_thread_lock:
         demo.block_thread()
     return demo
+
+
+def api_access(config: AppConfig) -> str:
+    """Who may use the OpenAI-compatible API, in words for the start-up line."""
+    if config.api_key is not None:
+        return "with the --api-key key"
+    if api_key_needed(config):
+        return "closed: it needs --api-key, with --auth or beyond loopback"
+    return "open: no key on loopback"
 
 
 def metrics_route(manager):

@@ -180,7 +180,7 @@ def upload_route(janitor: UploadJanitor):
         staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder)
         try:
             staged, _, _ = await upload_fn(
-                _giving_up_on_stalls(request), staging,
+                giving_up_on_stalls(request), staging,
                 blocks.max_file_size if blocks.max_file_size is not None else math.inf, upload_id,
                 force_move=True, upload_progress=file_upload_statuses if upload_id else None)
             stored = [_into_place(path, staging, folder) for path in staged]
@@ -197,7 +197,7 @@ def upload_route(janitor: UploadJanitor):
     return APIRoute(f"{API_PREFIX}/upload", upload, methods=["POST"])
 
 
-def _giving_up_on_stalls(request):
+def giving_up_on_stalls(request):
     """`request` whose body reads as broken off (ClientDisconnect) once the client sends nothing for
     limits.UPLOAD_STALL_TIMEOUT_S."""
     from starlette.requests import Request
