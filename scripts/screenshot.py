@@ -123,6 +123,24 @@ def take(url: str, out: str, width: int, height: int, scale: float, question: st
             browser.close()
 
 
+def start_app(port: int, max_new_tokens: int, timeout_s: float):
+    """`python app.py --model tiny-random` on `port`, once it answers: (its URL, its process, its log file)."""
+    url = f"http://127.0.0.1:{port}/"
+    log_file = tempfile.NamedTemporaryFile("w", prefix="screenshot-app-", suffix=".log", delete=False)
+    command = [sys.executable, "app.py", "--model", "tiny-random", "--port", str(port),
+               "--max-new-tokens", str(max_new_tokens)]
+    print(f"starting: {' '.join(command)} (log: {log_file.name})", flush=True)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until_answering(url, process, log_file.name, timeout_s)
+    except BaseException:
+        stop(process)
+        log_file.close()
+        raise
+    return url, process, log_file
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="where the PNG goes")
@@ -141,16 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     image = os.path.abspath(args.image) if args.image else first_image(out)
-    port = args.port or free_port()
-    url = f"http://127.0.0.1:{port}/"
-    log_file = tempfile.NamedTemporaryFile("w", prefix="screenshot-app-", suffix=".log", delete=False)
-    command = [sys.executable, "app.py", "--model", "tiny-random", "--port", str(port),
-               "--max-new-tokens", str(args.max_new_tokens)]
-    print(f"starting: {' '.join(command)} (log: {log_file.name})", flush=True)
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
+    url, process, log_file = start_app(args.port or free_port(), args.max_new_tokens, args.start_timeout)
     try:
-        wait_until_answering(url, process, log_file.name, args.start_timeout)
         print(f"answering at {url}; asking about {os.path.relpath(image, ROOT) if image else 'no image'}", flush=True)
         take(url, out, args.width, args.height, args.scale, args.question, image, args.reply_timeout)
     finally:

@@ -19,13 +19,12 @@ The tiny model has random weights, so the replies are noise, as the page itself 
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.screenshot import CHROMIUM, ROOT, free_port, shrink, stop, wait_until_answering  # noqa: E402
+from scripts.screenshot import CHROMIUM, ROOT, free_port, shrink, start_app, stop  # noqa: E402
 
 EXAMPLES = os.path.join(ROOT, "assets", "examples")
 DEFAULT_OUT = os.path.join(ROOT, "test-artifacts", "screenshots")
@@ -153,16 +152,8 @@ def main(argv: list[str] | None = None) -> None:
 
     out = os.path.abspath(args.out_dir)
     os.makedirs(out, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    log_file = tempfile.NamedTemporaryFile("w", prefix="screenshots-app-", suffix=".log", delete=False)
-    command = [sys.executable, "app.py", "--model", "tiny-random", "--port", str(port),
-               "--max-new-tokens", str(args.max_new_tokens)]
-    print(f"starting: {' '.join(command)} (log: {log_file.name})", flush=True)
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
+    url, process, log_file = start_app(free_port(), args.max_new_tokens, args.start_timeout)
     try:
-        wait_until_answering(url, process, log_file.name, args.start_timeout)
         with tempfile.TemporaryDirectory() as folder, sync_playwright() as playwright:
             broken = broken_files(folder)
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])

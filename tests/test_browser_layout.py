@@ -112,7 +112,7 @@ def test_each_tab_fills_the_window_with_its_input_at_the_bottom(browser, server_
     height = WINDOWS[width]
     page = open_window(browser, server_url, width, theme)
     try:
-        header, tabs = rect(page, "#model-header"), rect(page, "#tabs .tab-wrapper")
+        header = rect(page, "#model-header")
         assert bottom(header) <= (70 if width > 1000 else 120), header
         assert "Random weights" in page.locator("#model-header").inner_text()  # the banner is in the header
         handle = rect(page, "#settings .toggle-button")
