@@ -209,6 +209,10 @@ def test_the_stats_line_is_legible_and_opens_on_a_table(browser, server_url, wid
     try:
         set_max_new_tokens(page, 6)
         page.get_by_label("Thinking", exact=True).check()
+        # Greedy: a sampled reply of the random model can close its reasoning at once, leaving no block to compare.
+        page.get_by_role("button", name="Settings").click()
+        page.get_by_label("Sample (off: greedy)").uncheck()
+        page.get_by_role("button", name="Settings").click()
         ask(page, "#chat-input", "#chat", "Think.", 1)
         stats = page.locator("#chat .thought-group:has(.reply-stats)")
         title = stats.locator(".title .md")

@@ -114,7 +114,7 @@ def _image_previews(tab: str, hint: str | None = None) -> tuple[gr.Gallery, gr.M
     """Each image as the model will see it (its source view and slices), and what the images cost (or `hint`)."""
     pictures = gr.Gallery(label="What the model will see", visible=False, columns=3, height="auto", object_fit="contain",
                           interactive=False, buttons=["fullscreen"], elem_id=f"{tab}-previews", elem_classes="seen-by-model")
-    return pictures, gr.Markdown(hint, visible=hint is not None, elem_id=f"{tab}-costs", elem_classes="costs")
+    return pictures, gr.Markdown(hint, visible=hint is not None, elem_id=f"{tab}-costs")
 
 
 def _multi_image_tab() -> SimpleNamespace:

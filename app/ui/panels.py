@@ -48,10 +48,10 @@ def settings_sidebar(defaults) -> dict:
 
 
 def reply_controls(defaults, thinking_by_default: bool) -> dict:
-    """The two settings changed most, under every tab's input: one component each, after the tabs, so that
-    all tabs share them."""
+    """The two settings changed most, under every tab's input (one component each, after the tabs, so that
+    all tabs share them), and a link down to the Server load panel."""
     with gr.Row(elem_id="reply-controls"):
-        gr.Markdown("[How busy is the server? ↓](#server-load-panel)", elem_id="to-server-load")  # its panel is a scroll away
+        gr.Markdown("[How busy is the server? ↓](#server-load-panel)", elem_id="to-server-load")
         return {
             # The checkpoint's template's own default (ModelInfo.thinking_by_default), until the user says.
             "enable_thinking": gr.Checkbox(value=thinking_by_default, label="Thinking", container=False,
@@ -62,7 +62,7 @@ def reply_controls(defaults, thinking_by_default: bool) -> dict:
         }
 
 
-# Gradio's sidebar opens from an unlabelled chevron: the chevron gets the sidebar's name beside it.
+# Gradio's sidebar opens from an unlabelled chevron: the sidebar's name is written along it (assets/style.css).
 LABEL_SETTINGS_TOGGLE = f"""() => {{
     const toggle = document.querySelector("#settings .toggle-button");
     if (!toggle || toggle.querySelector(".toggle-label")) return;
