@@ -1,10 +1,11 @@
-"""Take the README's screenshot: the demo's Chat tab with an image, a question and a finished streamed reply.
+"""One screenshot: the demo's Chat tab with an image, a question and a finished streamed reply (the README's
+four, of every tab in each state: scripts/screenshots.py).
 
 Starts `python app.py --model tiny-random` on a free port, waits until it answers, opens it in headless
 Chromium (Playwright), attaches the first image found under assets/, asks a question, waits for the
 streamed reply to finish (its stats line), saves the page as a PNG, and stops the app.
 
-    python scripts/screenshot.py                                # assets/screenshot.png, 1366x900
+    python scripts/screenshot.py                                # test-artifacts/screenshot.png, 1366x900
     python scripts/screenshot.py --out /tmp/shot.png --width 1280
 
 Needs Playwright and Chromium (bash scripts/test.sh installs both). The tiny model has random weights, so
@@ -25,7 +26,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = "/usr/bin/chromium"
-DEFAULT_OUT = os.path.join(ROOT, "assets", "screenshot.png")
+DEFAULT_OUT = os.path.join(ROOT, "test-artifacts", "screenshot.png")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 STATS_LINE = re.compile(r"\d[\d,]* visual tokens · first token")  # the line that ends every finished reply
 MAX_BYTES = 400 * 1024
