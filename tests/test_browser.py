@@ -250,6 +250,40 @@ def test_html_in_a_reply_is_shown_as_text_never_run(browser, server_url, manager
     page.close()
 
 
+def test_a_long_markdown_reply_reaches_the_page_in_fewer_larger_updates(browser, server_url, manager, monkeypatch):
+    """Every update renders the whole reply's Markdown again in the page: a reply of 30,000 characters of lists,
+    code and tables sent in 300 updates reaches the page in far fewer (app.ui.handlers.page_update_interval),
+    and whole. The page counts the lengths its chat's text took as it changed."""
+    from app.engine.api import ReplyUpdate
+
+    block = "## Part\n\n1. a point with `code`\n2. another\n\n```python\nx = 1\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+    text = (block * (30_000 // len(block) + 1))[:30_000]
+
+    def long_stream(messages, settings, stop=None):
+        for n in range(1, 301):
+            time.sleep(0.01)
+            yield ReplyUpdate(text=text[: n * 100])
+        stats = {"visual_tokens": 0, "image_tokens": [], "video_tokens": None, "video_frames": 0, "prompt_tokens": 9,
+                 "new_tokens": 7500, "ttft_ms": 10.0, "preprocess_ms": 1.0, "queue_ms": 0.0, "tokens_per_s": 2500.0,
+                 "total_ms": 3000.0}
+        yield ReplyUpdate(text=text + "\n\nTHE END", stats=stats)
+
+    monkeypatch.setattr(manager, "stream", long_stream)
+    page = open_page(browser, server_url)
+    try:
+        page.evaluate("""() => { window.__lengths = new Set(); const chat = document.querySelector('#chat');
+            new MutationObserver(() => window.__lengths.add(chat.innerText.length))
+                .observe(chat, {childList: true, subtree: true, characterData: true}); }""")
+        page.locator("#chat-input textarea").fill("Write at length.")
+        page.locator("#chat-input textarea").press("Enter")
+        page.get_by_text(STATS_LINE).wait_for(timeout=60_000)
+        page.wait_for_timeout(500)
+        assert page.evaluate("document.querySelector('#chat').textContent.includes('THE END')")  # the whole reply
+        assert page.evaluate("window.__lengths.size") <= 60  # about 30 updates, against 300 sent
+    finally:
+        page.close()
+
+
 def test_server_load_panel_follows_the_engine(browser, server_url, manager):
     page = open_page(browser, server_url)
     page.get_by_text("Server load").click()
