@@ -121,7 +121,8 @@ def test_an_empty_message_is_told_in_its_box(browser, server_url):
         box.fill("Hello")
         box.press("Enter")
         page.get_by_text(STATS_LINE).first.wait_for(timeout=60_000)
-        assert box.get_attribute("placeholder") == "Message MiniCPM-V… (attach or paste images)"  # its own again
+        own = "Message MiniCPM-V… (attach or paste images)"  # its own again, with the question that was asked
+        assert wait_for(lambda: box.get_attribute("placeholder") == own, 10), box.get_attribute("placeholder")
     finally:
         page.close()
 

@@ -130,7 +130,8 @@ def test_the_openai_api_streams_through_the_fronts_from_either_web_process(app, 
     for _ in range(2 * PROCESSES):  # the requests go to the processes in turn
         assert api.chat.completions.create(**exact).choices[0].message.content == expected
     chunks = list(api.chat.completions.create(**exact, stream=True))
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected and len(chunks) >= 4
+    # The role, then the text (one chunk or more: a busy machine's engine hands over 24 tokens at once), then the end.
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected and len(chunks) >= 3
     # A client that leaves in the middle of a reply takes it out of the batch behind the fronts too.
     long = api.chat.completions.create(model="tiny-random", messages=said("Go on and on."), stream=True,
                                        max_tokens=4000, extra_body={"min_tokens": 4000})
