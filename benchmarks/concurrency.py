@@ -9,7 +9,8 @@ flight; unfinished ones are reported, not hidden. Two modes:
                  the level's clock starts, as users whose page is open (connecting is timed apart),
   --mode openai  the same requests through the app's OpenAI-compatible API with the official `openai`
                  client, streamed, the image as a base64 data URL (clients as in app mode; the columns
-                 that need the engine's own stats of each reply are left out).
+                 that need the engine's own stats of each reply are left out); --mode openai-http: the
+                 same with plain httpx clients, each request's JSON body encoded once.
 Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
 it in the benchmark's (or the app's) process instead, as before that split. In app and openai mode, --web-processes N
 serves the app as `python app.py --web-processes N` does: N web processes behind app.web.proxy's proxy, in
@@ -106,6 +107,25 @@ def openai_request(client, model: str, image_url: str, settings: dict, abort: th
     return round(((first or time.perf_counter()) - started) * 1000, 1), {"new_tokens": usage.completion_tokens}
 
 
+def http_request(client, url: str, body: bytes, abort: threading.Event) -> tuple[float, dict]:
+    """The same request as openai_request, as plain HTTP: its JSON body made once for every request, the
+    server-sent events read line by line (what the server can do, without the SDK's work in the client)."""
+    started, first, new_tokens = time.perf_counter(), None, None
+    with client.stream("POST", url, content=body, headers={"Content-Type": "application/json"}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if abort.is_set():
+                raise Aborted
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            deltas = [choice.get("delta") or {} for choice in event.get("choices", [])]
+            if first is None and any(delta.get("content") or delta.get("reasoning_content") for delta in deltas):
+                first = time.perf_counter()
+            new_tokens = (event.get("usage") or {}).get("completion_tokens", new_tokens)
+    return round(((first or time.perf_counter()) - started) * 1000, 1), {"new_tokens": new_tokens}
+
+
 def status_times(job) -> dict:
     """When this client heard (Unix time) that its request joined Gradio's queue, after the upload and the
     join. gradio_client keeps every status update it got, each stamped on arrival, in a queue that nothing
@@ -158,7 +178,7 @@ def drive_users(users: int, stop_issuing: float, deadline: float, make_requester
 
 def _app_client_process(url, users, duration, grace, image_path, settings, switch_interval, ready, go, out) -> None:
     """Clients in a process of their own, so that they do not share the server's GIL (openai mode: `url`
-    is ("openai", the API's base URL, the model's name))."""
+    is ("openai", the API's base URL, the model's name, plain HTTP or the SDK))."""
     from gradio_client import Client
 
     # A client's upload, like a web process's, is many small steps, each waiting for the GIL among the
@@ -190,8 +210,9 @@ def _app_client_process(url, users, duration, grace, image_path, settings, switc
     out.put((*results, own_cpu_seconds() - cpu_started, time.time() - started))
 
 
-def _openai_requesters(base_url: str, model: str, image_path: str, settings: dict, users: int):
-    """make_requester for openai mode: one client a user, the image as the data URL each request sends."""
+def _openai_requesters(base_url: str, model: str, plain_http: bool, image_path: str, settings: dict, users: int):
+    """make_requester for openai mode: one client a user, the image as the data URL each request sends;
+    `plain_http` (openai-http mode): httpx alone, the body encoded once."""
     import base64
 
     import httpx
@@ -201,6 +222,13 @@ def _openai_requesters(base_url: str, model: str, image_path: str, settings: dic
         image_url = f"data:image/{image_path.rsplit('.', 1)[1]};base64," + base64.b64encode(file.read()).decode()
     # One connection a user, as each of them would hold (the SDK's default pool is shared and kept small).
     limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
+    if plain_http:
+        body = json.dumps({"model": model, "max_tokens": settings["max_new_tokens"], "min_tokens": settings["min_new_tokens"],
+                           "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                           "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                                                     {"type": "text", "text": QUESTION}]}]}).encode()
+        http = httpx.Client(limits=limits, timeout=600)
+        return lambda: (lambda abort: http_request(http, base_url + "/chat/completions", body, abort))
     client = OpenAI(base_url=base_url, api_key="benchmark", max_retries=0, timeout=600,
                     http_client=httpx.Client(limits=limits, timeout=600))
     return lambda: (lambda abort: openai_request(client, model, image_url, settings, abort))
@@ -312,7 +340,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
     parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
-    parser.add_argument("--mode", choices=["engine", "app", "openai"], default="engine")
+    parser.add_argument("--mode", choices=["engine", "app", "openai", "openai-http"], default="engine")
     parser.add_argument("--levels", default="1,10,50,100,200")
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--grace", type=float, default=60.0)
@@ -383,10 +411,11 @@ def main() -> None:
         from app.web.server import launch
 
         url = launch(config, manager, prevent_thread_lock=True).local_url
-    if args.mode == "openai":
+    if args.mode.startswith("openai"):
         from app.web.openai_api import served_model
 
-        url = ("openai", url + "v1", served_model(manager))  # the clients' processes take the API's address
+        # The clients' processes take the API's address.
+        url = ("openai", url + "v1", served_model(manager), args.mode == "openai-http")
     if args.mode != "engine":
         app = (url, image_path, settings, args.client_switch_interval)
 
