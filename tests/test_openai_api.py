@@ -372,8 +372,9 @@ def test_a_large_body_is_read_while_other_replies_stream_on(api, server_url):
         follower.join(30)
     assert response.status_code == 400 and "could not be read as an image" in response.json()["error"]["message"]
     gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:]) if started < later < started + took]
-    # Updates went on arriving while the body was read (a busy machine sends them further apart: at least 3).
-    assert len(gaps) >= 3 and max(gaps) < took / 3, (took, max(gaps), len(gaps))
+    # Updates went on arriving while the body was read: no gap near the whole read, as one parse in one call
+    # made (a busy machine's updates come further apart: at least 3, none over 0.6 of the read; 0.14-0.37 seen).
+    assert len(gaps) >= 3 and max(gaps) < took * 0.6, (took, max(gaps), len(gaps))
 
 
 def longest_pause(work) -> float:
