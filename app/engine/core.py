@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default
+from app.engine.conversations import ConversationCache
+from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default, without_media_before
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
 from app.engine.replies import follow_reply, prepared_summary
@@ -77,9 +78,18 @@ class ModelManager:
         from app.model.runner import BatchRunner  # the GPU side (torch): with the model, not at import
 
         self.runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
-        self.scheduler.attach(self.runner, self._version, self._prepare_again)
+        self.scheduler.attach(self.runner, self._version, self._prepare_again, self._conversation_cache())
         self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
+
+    def _conversation_cache(self) -> ConversationCache:
+        """Where the new model's conversations are kept between turns: nowhere (a capacity of 0) when turned
+        off, on a text path that cannot go on from a kept state, or on ZeroGPU, whose GPU memory is the
+        callers' only during their calls."""
+        keeps = tuning.CONVERSATION_CACHE and self.runner.continues and not self.scheduler.inline
+        if tuning.CONVERSATION_CACHE and not keeps:
+            log.info("Conversations are not kept between turns on this model's text path: every prompt is prefilled whole")
+        return ConversationCache(int(tuning.CONVERSATION_CACHE_GB * 2**30) if keeps else 0)
 
     def warm_up(self) -> float:
         """Short generations with an image, alone and in waves, so kernels are ready before the first user.
@@ -279,6 +289,10 @@ class ModelManager:
         prepared.timeline["asked"] = asked
         # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
         prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
+        if prepared.canvas is None:
+            prepared.kept = self.scheduler.conversations.find(prepared)
+            if prepared.kept is not None:  # its earlier media are in the kept state: not encoded again
+                without_media_before(prepared, prepared.kept.length)
         runner = self.runner
         if runner is not None:  # None while a model is switched: the request is prepared again for the next
             runner.stage_media(prepared.tensors)

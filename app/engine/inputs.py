@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import os
 from dataclasses import dataclass, field
 
 from app import limits
@@ -37,6 +38,14 @@ class PreparedInputs:
     # perf_counter() readings at the preparation's stages (manager.preparation_stages); one clock for all of a
     # machine's processes (CLOCK_MONOTONIC), so a worker's readings can be set against the engine's.
     timeline: dict = field(default_factory=dict)
+    # What app.engine.conversations matches a kept conversation by: where each turn starts in the prompt (its
+    # <|im_start|> token), each image's (or the video's) identity and the position after its last placeholder,
+    # and each image's views (its source view and slices, in pixel_values' order).
+    turn_starts: tuple[int, ...] = ()
+    media_keys: tuple[str, ...] = ()
+    media_ends: tuple[int, ...] = ()
+    image_views: tuple[int, ...] = ()
+    kept: object = None  # the kept conversation this prompt goes on from (set by the engine)
 
     @property
     def visual_tokens(self) -> int:
@@ -50,6 +59,9 @@ class PreparedInputs:
 
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+
+
+TURN_START = "<|im_start|>"  # where a turn of the chat template (ChatML, as MiniCPM-V's) begins
 
 
 def _media_paths(messages: list[dict], kind: str) -> list[str]:
@@ -313,7 +325,7 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     if counted != sum(image_tokens):
         # The planner mirrors the processor's geometry; if a checkpoint's processor differs, trust the count.
         image_tokens = [counted] if counted else []
-    return PreparedInputs(
+    prepared = PreparedInputs(
         tensors=tensors,
         prompt_tokens=int(input_ids.numel()),
         image_tokens=image_tokens,
@@ -322,3 +334,58 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
         notices=notices,
         opens_thinking=prompt.rstrip().endswith(THINK_OPEN),
     )
+    if plan is None or counted == plan.total_tokens:  # else where each image's tokens lie is not known
+        _mark_turns_and_media(prepared, tokenizer, input_ids, image_paths, plan, video_paths, settings)
+    return prepared
+
+
+def _mark_turns_and_media(prepared: PreparedInputs, tokenizer, input_ids, image_paths: list[str], plan,
+                          video_paths: list[str], settings: GenerationSettings) -> None:
+    """Fill in what a kept conversation is matched by (PreparedInputs.turn_starts and the media's)."""
+    turn_start = tokenizer.convert_tokens_to_ids(TURN_START)
+    if turn_start is None or turn_start == tokenizer.unk_token_id:
+        return
+    prepared.turn_starts = tuple((input_ids == turn_start).nonzero()[:, 0].tolist())
+    ends, keys = [], []
+    if image_paths:
+        placeholders = (input_ids == tokenizer.image_token_id).nonzero()[:, 0].tolist()
+        last = 0
+        for path, image in zip(image_paths, plan.images):
+            last += image.tokens
+            ends.append(placeholders[last - 1] + 1)
+            keys.append(f"{_file_identity(path)}|{settings.downsample_mode}|{plan.max_slice_nums}")
+        prepared.image_views = tuple(1 + image.slice_count for image in plan.images)
+    if video_paths and prepared.video_tokens:
+        ends.append(int((input_ids == tokenizer.video_token_id).nonzero()[-1, 0]) + 1)
+        keys.append(f"{_file_identity(video_paths[0])}|{settings.downsample_mode}|{settings.video_fps}|"
+                    f"{settings.video_max_frames}|{settings.video_slices_per_frame}")
+    prepared.media_keys, prepared.media_ends = tuple(keys), tuple(ends)
+
+
+def _file_identity(path: str) -> str:
+    """A media file's identity: uploads are written once and never changed (a new upload is a new file, in
+    a folder of its own), and the API's are named by a hash of their bytes (app.web.data_urls), which touches
+    them when they come again: their times are not part of it."""
+    status = os.stat(path)
+    return f"{os.path.realpath(path)}|{status.st_ino}|{status.st_size}"
+
+
+def without_media_before(prepared: PreparedInputs, position: int) -> None:
+    """Drop the pixels of the media whose placeholders all lie before `position` (a kept conversation
+    holds them), so that only the rest is encoded."""
+    tensors = prepared.tensors
+    kept = sum(end <= position for end in prepared.media_ends)
+    if not kept:
+        return
+    if tensors.get("pixel_values_videos") is not None:
+        tensors["pixel_values_videos"] = None
+        return
+    views = sum(prepared.image_views[:kept])
+    if views >= len(tensors["target_sizes"]):
+        tensors["pixel_values"] = None
+        return
+    sizes = tensors["target_sizes"]
+    patch = tensors["pixel_values"].shape[2]
+    width = int((sizes[:views, 0] * sizes[:views, 1]).sum()) * patch
+    tensors["pixel_values"] = tensors["pixel_values"][..., width:]
+    tensors["target_sizes"] = sizes[views:]

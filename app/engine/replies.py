@@ -117,6 +117,8 @@ def prepared_summary(prepared, model_path: str, prepared_at: float) -> dict:
             "video_tokens": prepared.video_tokens,
             "video_frames": prepared.video_frames,
             "prompt_tokens": prepared.prompt_tokens,
+            # Held by a kept conversation (app.engine.conversations): neither prefilled nor their media encoded.
+            "reused_prompt_tokens": prepared.kept.length if prepared.kept is not None else 0,
         },
     }
 

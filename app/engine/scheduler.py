@@ -37,6 +37,7 @@ from typing import Callable
 
 from app import tuning
 from app.messages import MSG_BUSY, MSG_SAMPLING_FAILED
+from app.engine.conversations import ConversationCache, prefill_wave
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.engine.api import ReplyEvent
@@ -93,6 +94,7 @@ class Scheduler:
         self.metrics = metrics
         self.runner = None
         self.version = 0
+        self.conversations = ConversationCache(0)  # the model's kept conversations, given with it (attach)
         self._prepare_again: Callable[[Request], PreparedInputs] | None = None
         self._end_token_set: set[int] = set()
         self._changed = threading.Condition()
@@ -107,11 +109,13 @@ class Scheduler:
 
     # Control -------------------------------------------------------------------------------------
 
-    def attach(self, runner, version: int, prepare_again: Callable[[Request], PreparedInputs]) -> None:
-        """Serve with `runner` (app.model.runner.BatchRunner, a freshly loaded model) from now on;
-        `prepare_again` prepares a request that waited through the switch for it."""
+    def attach(self, runner, version: int, prepare_again: Callable[[Request], PreparedInputs],
+               conversations: ConversationCache) -> None:
+        """Serve with `runner` (app.model.runner.BatchRunner, a freshly loaded model) from now on, keeping
+        its `conversations`; `prepare_again` prepares a request that waited through the switch for it."""
         with self._changed:
             self.runner, self.version, self._prepare_again = runner, version, prepare_again
+            self.conversations = conversations
             self._end_token_set = set(runner.end_token_ids)
             self._paused = False
             self._changed.notify_all()
@@ -259,8 +263,8 @@ class Scheduler:
         self.metrics.wave_encoded(encoding.seconds)
         try:
             columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
-            prompts = [(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in zip(admitted, encoding.features())]
-            logits = self.runner.prefill(prompts, len(self._running), columns)
+            admitted, logits = prefill_wave(self.runner, self.conversations, admitted, encoding.features(),
+                                            len(self._running), columns)
         except Exception as error:
             self._fail(admitted, error)
             return

@@ -2,7 +2,8 @@
 
 The runner (app.model.runner) holds one text backend and one vision backend and never asks which it
 has. A text backend has prefill(prompts, first_slot), decode_step(tokens, positions), capture(max_rows)
-(its small prefills as CUDA graphs, where it has any) and clear(); a vision backend has
+(its small prefills as CUDA graphs, where it has any), clear(), and `continues`: whether it has
+prefill_continued (a prompt going on from a slot's kept state; the fused model only); a vision backend has
 features(pixels, sizes, mode).
 
 - Text: app.model.text.fused where the checkpoint is the architecture it writes out with plain linear
@@ -14,7 +15,7 @@ features(pixels, sizes, mode).
 import torch
 
 from app import tuning
-from app.model.cuda_graphs import LaunchedPrefills, PrefillGraphs
+from app.model.cuda_graphs import ContinuedPrefillGraphs, LaunchedPrefills, PrefillGraphs
 from app.model.text.fused import FusedTextModel, fused_text_model_for
 from app.model.text.layers import PromptEmbedder, TransformersText
 from app.model.vision.fused import fused_vision_tower_for
@@ -26,10 +27,13 @@ class FusedText:
     captured graphs. MiniCPM-V 4.7's prompts with images (canvas positions, three M-RoPE channels apart)
     go through transformers' layers, which it keeps for them."""
 
+    continues = True  # prefill_continued: a prompt can go on from a conversation's kept state
+
     def __init__(self, fused: FusedTextModel, through_transformers: TransformersText, embedded: PromptEmbedder,
                  capture_prefills: bool):
         self.fused, self.through_transformers, self.embedded = fused, through_transformers, embedded
         self.prefill_graphs = PrefillGraphs(fused.store, fused) if capture_prefills else LaunchedPrefills()
+        self.continued_graphs = ContinuedPrefillGraphs(fused.store, fused) if capture_prefills else LaunchedPrefills()
 
     def prefill(self, prompts: list[tuple], first_slot: int) -> torch.Tensor:
         if any(canvas is not None for _, _, canvas in prompts):
@@ -41,14 +45,26 @@ class FusedText:
         logits = self.prefill_graphs.run(embeddings, lengths, first_slot)
         return self.fused.prefill(embeddings, lengths, first_slot) if logits is None else logits
 
+    def prefill_continued(self, prompts: list[tuple], starts: list[int], slots: list[int]) -> torch.Tensor:
+        """Prompts (input ids [1, length], visual features) that go on from the `starts[i]` tokens slots[i]
+        holds; small waves replayed from captured graphs."""
+        features = [f for _, f in prompts if f is not None]
+        embeddings = self.embedded(torch.cat([input_ids for input_ids, _ in prompts], dim=1),
+                                   torch.cat(features) if features else None)[0]
+        lengths = [ids.shape[1] for ids, _ in prompts]
+        logits = self.continued_graphs.run(embeddings, lengths, starts, slots)
+        return self.fused.prefill_continued(embeddings, lengths, starts, slots) if logits is None else logits
+
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.fused.decode(tokens, positions)
 
     def capture(self, max_rows: int) -> None:
         self.prefill_graphs.capture_all(max_rows)
+        self.continued_graphs.capture_all(max_rows)
 
     def clear(self) -> None:
         self.prefill_graphs.clear()
+        self.continued_graphs.clear()
 
 
 def text_backend_for(model, store, capture_graphs: bool) -> FusedText | TransformersText:

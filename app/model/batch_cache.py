@@ -17,6 +17,9 @@ The views below implement the part of transformers' Cache interface that the Qwe
 Tensors keep their addresses between steps (writes are in place), which CUDA graph replay relies on.
 """
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 
@@ -73,11 +76,51 @@ class SlotStore:
         self.lengths[target] = self.lengths[source]
         self.rope_deltas[target] = self.rope_deltas[source]
 
+    def snapshot(self, slot: int, columns: int) -> "StateSnapshot":
+        """A copy of what slot `slot` holds after its first `columns` tokens (it must hold exactly those):
+        every layer's state, to go on from later (restore)."""
+        return StateSnapshot(
+            columns,
+            {layer: t[slot, :, :columns].clone() for layer, t in self.keys.items()},
+            {layer: t[slot, :, :columns].clone() for layer, t in self.values.items()},
+            {layer: t[slot].clone() for layer, t in self.conv.items()},
+            {layer: t[slot].clone() for layer, t in self.recurrent.items()},
+            self.rope_deltas[slot].clone())
+
+    def restore(self, snapshot: "StateSnapshot", slot: int) -> None:
+        """Put `snapshot` into slot `slot`, which then holds its tokens (room for them reserved first)."""
+        columns = snapshot.columns
+        for states, saved in ((self.keys, snapshot.keys), (self.values, snapshot.values)):
+            for layer, tensor in saved.items():
+                states[layer][slot, :, :columns] = tensor
+        for states, saved in ((self.conv, snapshot.conv), (self.recurrent, snapshot.recurrent)):
+            for layer, tensor in saved.items():
+                states[layer][slot] = tensor
+        self.lengths[slot] = columns
+        self.rope_deltas[slot] = snapshot.rope_delta
+
     def release(self) -> None:
         """Free all memory (the model is being unloaded, or a warm-up is done with it)."""
         generation = self.generation
         self.__init__(self.device)
         self.generation = generation + 1  # never back to a number a captured graph was made at
+
+
+@dataclass(eq=False)
+class StateSnapshot:
+    """One sequence's state after its first `columns` tokens, by layer (SlotStore.snapshot)."""
+
+    columns: int
+    keys: dict
+    values: dict
+    conv: dict
+    recurrent: dict
+    rope_delta: torch.Tensor
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for part in (self.keys, self.values, self.conv, self.recurrent)
+                   for t in part.values())
 
 
 def _grown(current: int, needed: int) -> int:

@@ -146,6 +146,87 @@ class PrefillGraphs(GraphSet):
         return static_logits
 
 
+# Lengths a captured continued prefill exists for (a prompt going on from a kept conversation: a follow-up's
+# new turn, and every prompt's generation prompt after its state is kept; app.engine.conversations).
+CONTINUED_GRAPH_LENGTHS = (16, 64, 256, 1024)
+
+
+class ContinuedPrefillGraphs(GraphSet):
+    """The fused text model's continued prefill of small waves (FusedTextModel.prefill_continued_padded)
+    captured as a CUDA graph per (prompts, padded length), for PrefillGraphs' reason: launched from Python, a
+    few tokens' prefill is tens of ms of launches. Its prompts are padded at their end, through which every
+    state goes unchanged."""
+
+    given_up = False
+
+    def __init__(self, store, fused):
+        super().__init__(store)
+        self.fused = fused
+
+    def capture_all(self, max_rows: int) -> None:
+        """Capture every bucket that fits the store now, each with a throwaway prompt in the first slots."""
+        hidden, dtype = self.fused.embed.embedding_dim, self.fused.embed.weight.dtype
+        for rows in PREFILL_GRAPH_ROWS:
+            for length in CONTINUED_GRAPH_LENGTHS:
+                if rows <= max_rows and not self.given_up:
+                    self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.store.device), [1] * rows,
+                             [0] * rows, list(range(rows)), length)
+
+    def run(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
+            length: int | None = None) -> torch.Tensor | None:
+        """FusedTextModel.prefill_continued's logits through a captured graph (captured now if need be), or
+        None where no bucket holds the wave or capturing failed."""
+        length = length or next((size for size in CONTINUED_GRAPH_LENGTHS if size >= max(lengths)), None)
+        rows = len(lengths)
+        if self.given_up or rows not in PREFILL_GRAPH_ROWS or length is None \
+                or max(starts) + length > self.store.column_capacity:
+            return None
+        self._drop_if_stale()
+        captured = self.captured.get((rows, length))
+        if captured is None:
+            static_embeddings = torch.zeros((rows * length, embeddings.shape[1]), dtype=embeddings.dtype,
+                                            device=self.store.device)
+            static_places = torch.zeros(3 * rows, dtype=torch.long, device=self.store.device)  # lengths, starts, slots
+        else:
+            static_embeddings, static_places, graph, static_logits = captured
+        static_places.copy_(torch.tensor(lengths + starts + slots).pin_memory(), non_blocking=True)
+        static_embeddings.zero_()
+        padded, at = static_embeddings.view(rows, length, -1), 0
+        for row, size in enumerate(lengths):
+            padded[row, :size] = embeddings[at:at + size]
+            at += size
+        if captured is None:
+            captured = self._capture_bucket(static_embeddings, static_places, rows, length)
+            if captured is None:
+                return None
+            graph, static_logits = captured[2:]
+        graph.replay()
+        return static_logits
+
+    def _capture_bucket(self, static_embeddings, static_places, rows: int, length: int):
+        # Each run goes on from the prompts' slots and moves their states on: the warm-up runs' effect is undone
+        # before the replay that counts.
+        slots = static_places[2 * rows:]
+        saved = [{layer: t.index_select(0, slots) for layer, t in states.items()}
+                 for states in (self.store.conv, self.store.recurrent)]
+        try:
+            graph, static_logits = self._capture(
+                lambda: self.fused.prefill_continued_padded(static_embeddings, static_places[:rows],
+                                                            static_places[rows:2 * rows], slots,
+                                                            self.store.column_capacity),
+                f"the continued prefill of {rows} prompts of up to {length} tokens")
+        except RuntimeError as error:
+            log.warning("The continued prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
+            self.given_up = True
+            return None
+        for states, kept in zip((self.store.conv, self.store.recurrent), saved):
+            for layer, state in kept.items():
+                states[layer].index_copy_(0, slots, state)
+        self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
+        self.store_generation = self.store.generation
+        return self.captured[rows, length]
+
+
 class DecodeGraphs(GraphSet):
     """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
 
@@ -236,9 +317,10 @@ class EagerDecode:
 
 
 class LaunchedPrefills:
-    """PrefillGraphs' interface where nothing is captured: every prefill is launched from Python."""
+    """PrefillGraphs' (and ContinuedPrefillGraphs') interface where nothing is captured: every prefill is
+    launched from Python."""
 
-    def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int) -> None:
+    def run(self, *prompts) -> None:
         return None
 
     def capture_all(self, max_rows: int) -> None:

@@ -151,6 +151,36 @@ class BatchRunner:
         self.store.rope_deltas[first_slot:first_slot + count] = on_device(deltas, torch.long, self.device)
         return logits
 
+    @property
+    def continues(self) -> bool:
+        """Whether a prompt can go on from a kept state (prefill_continued, snapshot, restore)."""
+        return self.text.continues
+
+    def prefill_continued(self, prompts: list[tuple[torch.Tensor, torch.Tensor | None]], starts: list[int],
+                          slots: list[int], columns: int) -> torch.Tensor:
+        """Prompts' new tokens (input ids [1, length], visual features) after the `starts[i]` tokens slot
+        slots[i] holds (put there by restore, or a prefill); `columns` is room each needs. Next-token
+        logits [prompts, vocab]."""
+        self.store.reserve(max(slots) + 1, columns)
+        logits = self.text.prefill_continued(prompts, starts, slots)
+        lengths = [start + input_ids.shape[1] for start, (input_ids, _) in zip(starts, prompts)]
+        self.store.lengths.index_copy_(0, on_device(slots, torch.long, self.device), on_device(lengths, torch.long, self.device))
+        return logits
+
+    def snapshot(self, slot: int, columns: int):
+        """A copy of slot `slot`'s state after its first `columns` tokens (app.model.batch_cache.StateSnapshot)."""
+        return self.store.snapshot(slot, columns)
+
+    def restore(self, snapshot, slot: int, columns: int) -> None:
+        """Slot `slot` holds `snapshot`'s tokens, with room for `columns`."""
+        self.store.reserve(slot + 1, columns)
+        self.store.restore(snapshot, slot)
+
+    @staticmethod
+    def joined(logits: list[torch.Tensor]) -> torch.Tensor:
+        """Logits of several prefills of one wave, as one [rows, vocab]."""
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """One step for slots [0, n) fed `tokens` [n]; next-token logits [n, vocab]."""
         logits = self.steps.run(tokens)
@@ -212,6 +242,10 @@ class BatchRunner:
         33 recaptures in one benchmark run on an H200. Columns still grow for long requests.
         """
         self.prefill([(torch.zeros((1, 1), dtype=torch.long), None, None)], 0, tuning.RESERVED_COLUMNS)  # every layer's state
+        if self.continues:  # a wave too large for a captured continued prefill goes on packed: its kernels built now
+            rows = min(max_rows, 8)
+            self.prefill_continued([(torch.zeros((1, 64), dtype=torch.long), None)] * rows, [1] * rows, list(range(rows)),
+                                   tuning.RESERVED_COLUMNS)
         self.store.reserve(max_rows, tuning.RESERVED_COLUMNS)
         self.steps.capture_all(max_rows)
         self.text.capture(max_rows)

@@ -36,6 +36,8 @@ def usage_of(stats: dict) -> dict:
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if stats.get("visual_tokens") is not None:  # an external server (--backend openai) counts them itself
         usage["visual_tokens"] = stats["visual_tokens"]
+    if stats.get("reused_prompt_tokens") is not None:  # held by a kept conversation: OpenAI's cached tokens
+        usage["prompt_tokens_details"] = {"cached_tokens": stats["reused_prompt_tokens"]}
     return usage
 
 

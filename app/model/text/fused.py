@@ -21,15 +21,14 @@ others (quantized ones) and MiniCPM-V 4.7's prompts with images (their M-RoPE po
 channels apart) go through transformers' layers.
 """
 
-import itertools
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 from app.model.text import ops as text_ops
+from app.model.text.rows import ContinuedRows, Rows
 
 log = logging.getLogger(__name__)
 
@@ -124,81 +123,9 @@ def merge_parameters(*linears: torch.nn.Linear, name: str = "weight") -> torch.T
     return merged
 
 
-def in_one_copy(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """1-D integer tensors of the CPU on `device`, in one pinned copy that does not wait for the GPU."""
-    host = torch.cat(parts)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
-
-
 def _norm_weight(norm) -> torch.Tensor:
     """The model's zero-centred RMSNorm scale (1 + w) in fp32."""
     return 1.0 + norm.weight.detach().float()
-
-
-@dataclass
-class _Rows:
-    """Where each row of a forward pass belongs: its slot, its column there (its position in its
-    sequence) and its rotary position. A prefill's prompts also have their slots (`prompt_slots`, on
-    the device), their lengths, the rows of each prompt's last `conv_width` tokens with which of them
-    exist (a shorter prompt has zeros before its first, as the model's convolution state does) and
-    each prompt's last row. Its prompts are laid out in one of two ways:
-
-    - packed back to back (`packed`): `bounds` says where each starts, then the end (on the CPU and on
-      the device);
-    - front-padded with zero embeddings to one length each (`padded`), as one batch of `sequences`
-      rows: the DeltaNet layers keep a zero state through zero inputs, and attention masks the
-      padding out (`sees`). Everything here is then computed on the device from the padding counts,
-      so a captured CUDA graph serves any prompt lengths up to that length."""
-
-    slots: torch.Tensor
-    columns: torch.Tensor
-    rope_positions: torch.Tensor
-    places: torch.Tensor | None = None  # a prefill row's place in its prompt's rows, padding included
-    lengths: list[int] | None = None
-    prompt_slots: torch.Tensor | None = None
-    tail_rows: torch.Tensor | None = None
-    tail_exists: torch.Tensor | None = None
-    last_rows: torch.Tensor | None = None
-    bounds: torch.Tensor | None = None
-    device_bounds: torch.Tensor | None = None
-    first_slot: int = 0
-    sequences: int = 1
-    sees: torch.Tensor | None = None
-
-    @classmethod
-    def packed(cls, lengths: list[int], first_slot: int, conv_width: int, device) -> "_Rows":
-        """A prefill's rows, moved to the device in one copy: a copy from pageable memory per layer
-        would wait for the GPU each time."""
-        bounds = torch.tensor([0, *itertools.accumulate(lengths)])
-        columns = torch.cat([torch.arange(length) for length in lengths])
-        prompt_slots = torch.arange(first_slot, first_slot + len(lengths))
-        slots = prompt_slots.repeat_interleave(torch.tensor(lengths))
-        tails = bounds[1:, None] - conv_width + torch.arange(conv_width)
-        exists = tails >= bounds[:-1, None]
-        parts = [columns, slots, prompt_slots, bounds, tails.clamp(min=0).flatten(), exists.flatten().long()]
-        columns, slots, prompt_slots, device_bounds, tail_rows, tail_exists = in_one_copy(parts, device)
-        shape = (len(lengths), conv_width)
-        return cls(slots, columns, columns, columns, lengths, prompt_slots, tail_rows.view(shape),
-                   tail_exists.view(shape).bool(), device_bounds[1:] - 1, bounds, device_bounds, first_slot)
-
-    @classmethod
-    def padded(cls, pads: torch.Tensor, prompt_slots: torch.Tensor, length: int, conv_width: int) -> "_Rows":
-        """`pads[i]` zero rows, then prompt i's tokens, `length` rows in all, for slot prompt_slots[i].
-        Prompt i's token j sits at column j; its padding rows write their (zero) keys at the columns
-        after the prompt, which its decode steps overwrite before reading."""
-        sequences, device = pads.shape[0], pads.device
-        row = torch.arange(length, device=device)
-        position = row - pads[:, None]  # [sequences, length], negative on padding
-        column = position.remainder(length)
-        # [sequences, rows, columns]: a token sees its prompt's columns up to its own; padding its own column.
-        sees = (row <= position[:, :, None]) | (row == column[:, :, None])
-        starts = torch.arange(sequences, device=device)[:, None] * length
-        tails = starts + length - conv_width + torch.arange(conv_width, device=device)
-        return cls(prompt_slots.repeat_interleave(length), column.flatten(), position.clamp(min=0).flatten(),
-                   row.repeat(sequences), [length] * sequences, prompt_slots, tails, torch.ones_like(tails, dtype=torch.bool),
-                   starts[:, 0] + length - 1, sequences=sequences, sees=sees)
 
 
 class _DeltaNetLayer:
@@ -222,7 +149,7 @@ class _DeltaNetLayer:
         self.norm_eps = attention.norm.variance_epsilon
         self.out_weight = attention.out_proj.weight
 
-    def decode(self, hidden, store, rows: _Rows):
+    def decode(self, hidden, store, rows: Rows):
         n = hidden.shape[0]
         projection = F.linear(hidden, self.in_weight)
         qkv = text_ops.conv_step(projection, self.channels, store.conv[self.index][:n], self.conv_weight)
@@ -230,7 +157,7 @@ class _DeltaNetLayer:
                                              self.dt_bias, store.recurrent[self.index][:n], self.key_heads)
         return self._out(attended, projection)
 
-    def prefill(self, hidden, store, rows: _Rows):
+    def prefill(self, hidden, store, rows: Rows):
         projection = F.linear(hidden, self.in_weight)
         qkv = text_ops.packed_conv(projection, self.channels, self.conv_weight, rows.places)
         tails = (projection[rows.tail_rows, :self.channels] * rows.tail_exists[..., None]).transpose(1, 2)
@@ -245,6 +172,31 @@ class _DeltaNetLayer:
             value.reshape(*batch, self.value_heads, -1), decay.view(*batch, -1), beta.view(*batch, -1), rows.bounds,
             rows.device_bounds)
         store.ensure_layer(store.recurrent, self.index, states, columns=False).index_copy_(0, rows.prompt_slots, states)
+        return self._out(attended.reshape(tokens, -1), projection)
+
+    def prefill_continued(self, hidden, store, rows: ContinuedRows):
+        """prefill for prompts that go on from their slots' states: the convolution reads each slot's kept
+        inputs before the new ones, and the delta rule starts from each slot's recurrent state."""
+        projection = F.linear(hidden, self.in_weight)
+        conv_state = store.conv[self.index].index_select(0, rows.prompt_slots).transpose(1, 2)  # [prompts, width, channels]
+        inputs = projection.new_empty((rows.conv_places.shape[0], self.channels))
+        inputs[rows.conv_state_rows] = conv_state.reshape(-1, self.channels).to(inputs.dtype)
+        inputs[rows.conv_token_rows] = projection[:, :self.channels]
+        qkv = text_ops.packed_conv(inputs, self.channels, self.conv_weight, rows.conv_places)[rows.conv_token_rows]
+        store.conv[self.index].index_copy_(0, rows.prompt_slots, inputs[rows.conv_tail_rows].transpose(1, 2).to(conv_state.dtype))
+        tokens = hidden.shape[0]
+        query, key, value = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta, decay = text_ops.delta_gates(projection, self.beta_column, self.decay_column, self.value_heads,
+                                           self.a_log, self.dt_bias)
+        if rows.real is not None:  # padding: no decay and no update, so each state goes through it unchanged
+            beta, decay = beta * rows.real[:, None], decay * rows.real[:, None]
+        batch = (rows.sequences, tokens // rows.sequences)
+        recurrent = store.recurrent[self.index]
+        attended, states = text_ops.chunk_delta_rule(
+            query.reshape(*batch, self.key_heads, -1), key.reshape(*batch, self.key_heads, -1),
+            value.reshape(*batch, self.value_heads, -1), decay.view(*batch, -1), beta.view(*batch, -1),
+            rows.bounds, rows.device_bounds, initial_state=recurrent.index_select(0, rows.prompt_slots))
+        recurrent.index_copy_(0, rows.prompt_slots, states.to(recurrent.dtype))
         return self._out(attended.reshape(tokens, -1), projection)
 
     def _out(self, attended, projection):
@@ -268,7 +220,7 @@ class _AttentionLayer:
         self.rope_scaling = float(rotary_embedding.attention_scaling)
         self.out_weight = attention.o_proj.weight
 
-    def _inputs(self, hidden, rows: _Rows, keys, values):
+    def _inputs(self, hidden, rows: Rows, keys, values):
         """(the merged projection, the queries); the rows' keys and values are written into the store."""
         projection = F.linear(hidden, self.in_weight)
         query = text_ops.attention_inputs(projection, self.heads, self.kv_heads, self.head_dim, self.q_norm,
@@ -276,13 +228,13 @@ class _AttentionLayer:
                                           rows.slots, rows.columns, keys, values)
         return projection, query
 
-    def decode(self, hidden, store, rows: _Rows):
+    def decode(self, hidden, store, rows: Rows):
         keys, values = store.keys[self.index], store.values[self.index]
         projection, query = self._inputs(hidden, rows, keys, values)
         attended = text_ops.attend(query, keys, values, rows.columns, self.scaling, projection)
         return F.linear(attended, self.out_weight)
 
-    def prefill(self, hidden, store, rows: _Rows):
+    def prefill(self, hidden, store, rows: Rows):
         like = hidden.new_empty((1, self.kv_heads, 0, self.head_dim))
         keys = store.ensure_layer(store.keys, self.index, like, columns=True)
         values = store.ensure_layer(store.values, self.index, like, columns=True)
@@ -291,7 +243,29 @@ class _AttentionLayer:
             else self._attend_packed(query, keys, values, rows)
         return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
 
-    def _attend_packed(self, query, keys, values, rows: _Rows):
+    def prefill_continued(self, hidden, store, rows: ContinuedRows):
+        """prefill for prompts that go on from their slots: each new token attends over its slot's columns
+        up to its own, the kept ones first."""
+        keys, values = store.keys[self.index], store.values[self.index]
+        projection, query = self._inputs(hidden, rows, keys, values)
+        if rows.sees is not None:
+            attended = self._attend_padded(query, keys, values, rows)
+            return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
+        group = self.heads // self.kv_heads
+        outputs, at = [], 0
+        for slot, start, length in zip(rows.slot_list, rows.starts, rows.lengths):
+            end = start + length
+            own = query[at:at + length].transpose(0, 1)[None]
+            sees = torch.arange(end, device=query.device)[None, :] <= torch.arange(start, end, device=query.device)[:, None]
+            attended = F.scaled_dot_product_attention(
+                own, keys[slot, :, :end].repeat_interleave(group, dim=0)[None],
+                values[slot, :, :end].repeat_interleave(group, dim=0)[None], attn_mask=sees, scale=self.scaling)
+            outputs.append(attended[0].transpose(0, 1).reshape(length, -1))
+            at += length
+        attended = torch.cat(outputs)
+        return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
+
+    def _attend_packed(self, query, keys, values, rows: Rows):
         """Causal attention within each prompt, over the keys and values just written to its slot."""
         group = self.heads // self.kv_heads
         outputs, start = [], 0
@@ -304,11 +278,12 @@ class _AttentionLayer:
             start += length
         return torch.cat(outputs)
 
-    def _attend_padded(self, query, keys, values, rows: _Rows):
-        """Each padded row's attention over its slot's first `length` columns, masked by rows.sees."""
+    def _attend_padded(self, query, keys, values, rows):
+        """Each padded row's attention over its slot's first columns (as many as rows.sees has), masked by
+        rows.sees."""
         group = self.heads // self.kv_heads
-        length = rows.lengths[0]
-        own_keys, own_values = (t[:, :, :length].index_select(0, rows.prompt_slots).repeat_interleave(group, dim=1)
+        length, columns = rows.lengths[0], rows.sees.shape[2]
+        own_keys, own_values = (t[:, :, :columns].index_select(0, rows.prompt_slots).repeat_interleave(group, dim=1)
                                 for t in (keys, values))
         queries = query.view(rows.sequences, length, self.heads, self.head_dim).transpose(1, 2)
         attended = F.scaled_dot_product_attention(queries, own_keys, own_values, attn_mask=rows.sees[:, None],
@@ -352,29 +327,46 @@ class FusedTextModel:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
-        rows = _Rows(torch.arange(n, device=positions.device), positions, positions + self.store.rope_deltas[:n])
-        hidden, residual = self._layers(self.embed(tokens), rows, prefill=False)
+        rows = Rows(torch.arange(n, device=positions.device), positions, positions + self.store.rope_deltas[:n])
+        hidden, residual = self._layers(self.embed(tokens), rows, "decode")
         return self._logits(hidden, residual)
 
     def prefill(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int) -> torch.Tensor:
-        return self._prefill(embeddings, _Rows.packed(lengths, first_slot, self.conv_width, embeddings.device))
+        return self._prefill(embeddings, Rows.packed(lengths, first_slot, self.conv_width, embeddings.device))
 
     def prefill_padded(self, embeddings: torch.Tensor, pads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """prefill for prompts front-padded to one length: embeddings [prompts * length, hidden], prompt
         i's `pads[i]` zero rows then its tokens, into slot `slots[i]` (both on the device, so that no
         host value depends on the prompts: this is what app.model.runner captures)."""
         length = embeddings.shape[0] // pads.shape[0]
-        return self._prefill(embeddings, _Rows.padded(pads, slots, length, self.conv_width))
+        return self._prefill(embeddings, Rows.padded(pads, slots, length, self.conv_width))
 
-    def _prefill(self, embeddings: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        hidden, residual = self._layers(embeddings, rows, prefill=True)
+    def prefill_continued(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int],
+                          slots: list[int]) -> torch.Tensor:
+        """prefill for prompts that go on from what slots[i] holds (`starts[i]` tokens, a conversation's
+        earlier turns): their new tokens' embeddings packed back to back."""
+        rows = ContinuedRows.packed(lengths, starts, slots, self.conv_width, embeddings.device)
+        return self._prefill(embeddings, rows, "prefill_continued")
+
+    def prefill_continued_padded(self, embeddings: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+                                 slots: torch.Tensor, columns: int) -> torch.Tensor:
+        """prefill_continued for prompts padded at their end to one length: embeddings [prompts * length,
+        hidden], attention over each slot's first `columns` columns; lengths, starts and slots on the
+        device (what app.model.cuda_graphs captures)."""
+        length = embeddings.shape[0] // lengths.shape[0]
+        rows = ContinuedRows.padded(lengths, starts, slots, length, self.conv_width, columns)
+        return self._prefill(embeddings, rows, "prefill_continued")
+
+    def _prefill(self, embeddings: torch.Tensor, rows, step: str = "prefill") -> torch.Tensor:
+        hidden, residual = self._layers(embeddings, rows, step)
         return self._logits(hidden[rows.last_rows], residual[rows.last_rows])
 
-    def _layers(self, hidden, rows: _Rows, prefill: bool):
+    def _layers(self, hidden, rows, step: str):
+        """Every layer's `step` ("decode", "prefill" or "prefill_continued") over `rows`."""
         residual = None
         for input_norm, mixer, post_norm, mlp in self.layers:
             normed, residual = text_ops.add_rms_norm(hidden, residual, input_norm, self.eps)
-            hidden = (mixer.prefill if prefill else mixer.decode)(normed, self.store, rows)
+            hidden = getattr(mixer, step)(normed, self.store, rows)
             normed, residual = text_ops.add_rms_norm(hidden, residual, post_norm, self.eps)
             hidden = mlp(normed)
         return hidden, residual

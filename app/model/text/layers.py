@@ -38,6 +38,8 @@ class PromptEmbedder:
 class TransformersText:
     """The runner's text backend through transformers' layers (see app.model.backends)."""
 
+    continues = False  # no prefill_continued: conversations are not kept on this path
+
     def __init__(self, model, store, embedded: PromptEmbedder):
         self.model, self.store, self.embedded = model, store, embedded
         self.language_model = model.model.language_model

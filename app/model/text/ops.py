@@ -90,10 +90,11 @@ def packed_conv(projection: torch.Tensor, channels: int, weight: torch.Tensor, p
 
 
 def chunk_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
-                     beta: torch.Tensor, bounds: torch.Tensor | None = None,
-                     device_bounds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule as the DeltaNet layer's prefill runs it, each prompt from a zero state:
-    prompts of one length as a batch, or, given `bounds`, prompts packed back to back in one row
+                     beta: torch.Tensor, bounds: torch.Tensor | None = None, device_bounds: torch.Tensor | None = None,
+                     initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule as the DeltaNet layer's prefill runs it, each prompt from a zero state (or from
+    its row of `initial_state` [prompts, value_heads, K, V], fp32: a prompt that goes on from a conversation's
+    kept state): prompts of one length as a batch, or, given `bounds`, prompts packed back to back in one row
     (`bounds`: where each starts, then the end, on the CPU; `device_bounds` the same on the inputs'
     device). Queries and keys [rows, tokens, key_heads, K] are L2-normalized inside; values [rows,
     tokens, value_heads, V], decays (log space, fp32) and betas [rows, tokens, value_heads]. Returns
@@ -104,19 +105,20 @@ def chunk_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     packing); transformers' PyTorch version prompt by prompt elsewhere."""
     if _kernels_for(query) is not None and _flash_linear_attention() is not None:  # it needs Triton too
         return _flash_linear_attention()(
-            query, key, value, g=decay, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            cu_seqlens=device_bounds, cu_seqlens_cpu=bounds)
+            query, key, value, g=decay, beta=beta, initial_state=initial_state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=device_bounds, cu_seqlens_cpu=bounds)
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     if bounds is None:
-        return torch_chunk_gated_delta_rule(query, key, value, g=decay, beta=beta, output_final_state=True,
-                                            use_qk_l2norm_in_kernel=True)
+        return torch_chunk_gated_delta_rule(query, key, value, g=decay, beta=beta, initial_state=initial_state,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
     outputs, states = [], []
     starts = bounds.tolist()
-    for start, end in zip(starts, starts[1:]):
+    for index, (start, end) in enumerate(zip(starts, starts[1:])):
         prompt = slice(start, end)
         out, state = torch_chunk_gated_delta_rule(
             query[:, prompt], key[:, prompt], value[:, prompt], g=decay[:, prompt], beta=beta[:, prompt],
+            initial_state=None if initial_state is None else initial_state[index:index + 1],
             output_final_state=True, use_qk_l2norm_in_kernel=True)
         outputs.append(out)
         states.append(state)

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from app.model.vision import ops as vision_ops
-from app.model.text.fused import in_one_copy, merge_parameters
+from app.model.text.fused import merge_parameters
+from app.model.text.rows import in_one_copy
 from app.model.vision.tower import (equal_runs, slice_merge_order, slice_position_ids, slice_starts,
                                      slice_window_order)
 

@@ -1,0 +1,155 @@
+"""Conversations kept between turns, so that a follow-up prefills only what is new.
+
+A chat's next prompt repeats the whole conversation so far. Its text model's state after a prefix of it
+(the DeltaNet layers' recurrent and convolution states, the attention layers' keys and values) is kept
+here, and a later prompt that starts with exactly that prefix, token for token and with the same images
+or video, goes on from it: its earlier media are not encoded again, and only its new tokens are prefilled.
+
+Where a state is kept: the recurrent state cannot be rewound, so it is taken where the next prompt is sure
+to agree with this one. That is where this prompt's last turn begins (its generation prompt, a
+`<|im_start|>` token): MiniCPM-V's chat template renders a past assistant turn without the reasoning
+block the reply was generated after (../shared/reference/minicpm-v-4.6/chat_template.jinja), so what
+follows differs, while everything before it is rendered again as it was. Each prompt is prefilled up to
+there, its state kept, then the rest is prefilled from it (app.model.runner.prefill_continued).
+
+Memory is bounded: the least recently used conversations go first once the kept states pass
+tuning.CONVERSATION_CACHE_GB. A prompt whose conversation was let go is prefilled whole, and gets the
+same reply. Matches are exact, so kept states never leak between conversations: a prompt reuses one
+only if it repeats that conversation token for token, with the same media files (docs/SECURITY.md).
+"""
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class KeptConversation:
+    """A conversation's state after its first `length` tokens, with what they were."""
+
+    key: tuple  # (its token ids as bytes, its media's identities)
+    length: int
+    state: object  # the runner's snapshot (app.model.batch_cache.StateSnapshot): has nbytes
+
+
+class ConversationCache:
+    """Kept conversations, least recently used first, up to `capacity_bytes` of state. Used from the
+    request threads (find) and the scheduler's (keep)."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self._kept: OrderedDict[tuple, KeptConversation] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_bytes > 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def find(self, prepared) -> KeptConversation | None:
+        """The longest kept conversation `prepared` (app.engine.inputs.PreparedInputs) goes on from, or None.
+        Only the starts of its turns are looked at: that is where states are kept."""
+        if not self._kept or not prepared.turn_starts:
+            return None
+        tokens = _token_bytes(prepared)
+        with self._lock:
+            for start in reversed(prepared.turn_starts):
+                found = self._kept.get(_key(tokens, prepared, start))
+                if found is not None:
+                    self._kept.move_to_end(found.key)
+                    return found
+        return None
+
+    def keep(self, prepared, state) -> None:
+        """Keep `state`, a prompt's state after its last turn's start (prepared.turn_starts[-1])."""
+        nbytes = state.nbytes
+        if nbytes > self.capacity_bytes:
+            return
+        length = prepared.turn_starts[-1]
+        kept = KeptConversation(_key(_token_bytes(prepared), prepared, length), length, state)
+        with self._lock:
+            old = self._kept.pop(kept.key, None)
+            if old is not None:
+                self._held -= old.state.nbytes
+            self._kept[kept.key] = kept
+            self._held += nbytes
+            while self._held > self.capacity_bytes:
+                _, evicted = self._kept.popitem(last=False)
+                self._held -= evicted.state.nbytes
+
+    def clear(self) -> None:
+        """Let every kept state go (its model is being unloaded)."""
+        with self._lock:
+            self._kept.clear()
+            self._held = 0
+
+
+def _token_bytes(prepared) -> bytes:
+    return prepared.tensors["input_ids"][0].numpy().tobytes()
+
+
+def _key(tokens: bytes, prepared, length: int) -> tuple:
+    """A prefix's key: its tokens, and the identities of the media whose placeholders lie in it."""
+    size = len(tokens) // prepared.prompt_tokens
+    media = tuple(key for key, end in zip(prepared.media_keys, prepared.media_ends) if end <= length)
+    return tokens[:length * size], media
+
+
+def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, first_slot: int,
+                 columns: int) -> tuple[list, object]:
+    """Prefill a wave of requests (app.engine.scheduler.Request, their media encoded: `features`) into slots
+    first_slot, first_slot + 1, ...; `columns` is room each needs. Returns the requests in slot order and
+    their next-token logits.
+
+    Without the cache, or for a prompt it cannot keep, the whole prompt at once (runner.prefill). Else up
+    to its last turn's start, from a kept conversation if one matches (restored into its slot, its media
+    not encoded: app.engine.inputs.without_media_before), the state there kept, then the rest."""
+    whole, fresh, going_on = [], [], []
+    for request, feature in zip(wave, features):
+        prepared = request.prepared
+        if not (cache.enabled and runner.continues and prepared.turn_starts and prepared.canvas is None):
+            whole.append((request, feature))
+        else:
+            (fresh if prepared.kept is None else going_on).append((request, feature))
+    ordered = whole + fresh + going_on
+    slots = {id(request): first_slot + index for index, (request, _) in enumerate(ordered)}
+    logits = []
+    if whole:
+        logits.append(runner.prefill([(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in whole],
+                                     first_slot, columns))
+    if fresh:
+        runner.prefill([(_ids(r, 0, _turn(r)), f, None) for r, f in fresh], first_slot + len(whole), columns)
+    for request, _ in going_on:
+        runner.restore(request.prepared.kept.state, slots[id(request)], columns)
+    heads = [(r, f) for r, f in going_on if _turn(r) > r.prepared.kept.length]
+    if heads:
+        runner.prefill_continued([(_ids(r, r.prepared.kept.length, _turn(r)), f) for r, f in heads],
+                                 [r.prepared.kept.length for r, _ in heads], [slots[id(r)] for r, _ in heads], columns)
+    kept = fresh + going_on
+    for request, _ in fresh + heads:
+        cache.keep(request.prepared, runner.snapshot(slots[id(request)], _turn(request)))
+    if kept:
+        logits.append(runner.prefill_continued([(_ids(r, _turn(r), None), None) for r, _ in kept],
+                                               [_turn(r) for r, _ in kept], [slots[id(r)] for r, _ in kept], columns))
+    for request, _ in going_on:
+        request.prepared.kept = None  # its state is in its slot now: the cache may let it go
+    return [request for request, _ in ordered], runner.joined(logits)
+
+
+def _turn(request) -> int:
+    """Where the request's last turn starts: its prompt's kept state is taken there."""
+    return request.prepared.turn_starts[-1]
+
+
+def _ids(request, start: int, end: int | None):
+    return request.prepared.tensors["input_ids"][:, start:end]
