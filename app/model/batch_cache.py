@@ -90,12 +90,14 @@ class SlotStore:
     def restore(self, snapshot: "StateSnapshot", slot: int) -> None:
         """Put `snapshot` into slot `slot`, which then holds its tokens (room for them reserved first)."""
         columns = snapshot.columns
+        # A layer's tensor is made again if the store was released since (a warm-up's end): the model, and so
+        # what the snapshot holds, is the same.
         for states, saved in ((self.keys, snapshot.keys), (self.values, snapshot.values)):
             for layer, tensor in saved.items():
-                states[layer][slot, :, :columns] = tensor
+                self.ensure_layer(states, layer, tensor[None], columns=True)[slot, :, :columns] = tensor
         for states, saved in ((self.conv, snapshot.conv), (self.recurrent, snapshot.recurrent)):
             for layer, tensor in saved.items():
-                states[layer][slot] = tensor
+                self.ensure_layer(states, layer, tensor[None], columns=False)[slot] = tensor
         self.lengths[slot] = columns
         self.rope_deltas[slot] = snapshot.rope_delta
 

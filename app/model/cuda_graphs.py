@@ -146,14 +146,17 @@ class PrefillGraphs(GraphSet):
         return static_logits
 
 
-# Lengths a captured continued prefill exists for (a prompt going on from a kept conversation: a follow-up's
-# new turn, and every prompt's generation prompt after its state is kept; app.engine.conversations).
-CONTINUED_GRAPH_LENGTHS = (16, 64, 256, 1024)
+# Waves a captured continued prefill exists for (prompts going on from kept states: a follow-up's new turn,
+# and every prompt's generation prompt after its state is kept; app.engine.conversations), by their prompts'
+# count: the lengths they are padded to. Large waves only for the generation prompts (a few tokens each),
+# which else would add a wave's launches from Python to every large wave.
+CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16,),
+                           16: (16,), 32: (16,), 64: (16,)}
 
 
 class ContinuedPrefillGraphs(GraphSet):
-    """The fused text model's continued prefill of small waves (FusedTextModel.prefill_continued_padded)
-    captured as a CUDA graph per (prompts, padded length), for PrefillGraphs' reason: launched from Python, a
+    """The fused text model's continued prefill (FusedTextModel.prefill_continued_padded) captured as a CUDA
+    graph per (prompts, padded length) of CONTINUED_GRAPH_LENGTHS, for PrefillGraphs' reason: launched from Python, a
     few tokens' prefill is tens of ms of launches. Its prompts are padded at their end, through which every
     state goes unchanged."""
 
@@ -166,8 +169,8 @@ class ContinuedPrefillGraphs(GraphSet):
     def capture_all(self, max_rows: int) -> None:
         """Capture every bucket that fits the store now, each with a throwaway prompt in the first slots."""
         hidden, dtype = self.fused.embed.embedding_dim, self.fused.embed.weight.dtype
-        for rows in PREFILL_GRAPH_ROWS:
-            for length in CONTINUED_GRAPH_LENGTHS:
+        for rows, lengths in CONTINUED_GRAPH_LENGTHS.items():
+            for length in lengths:
                 if rows <= max_rows and not self.given_up:
                     self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.store.device), [1] * rows,
                              [0] * rows, list(range(rows)), length)
@@ -176,9 +179,9 @@ class ContinuedPrefillGraphs(GraphSet):
             length: int | None = None) -> torch.Tensor | None:
         """FusedTextModel.prefill_continued's logits through a captured graph (captured now if need be), or
         None where no bucket holds the wave or capturing failed."""
-        length = length or next((size for size in CONTINUED_GRAPH_LENGTHS if size >= max(lengths)), None)
         rows = len(lengths)
-        if self.given_up or rows not in PREFILL_GRAPH_ROWS or length is None \
+        length = length or next((size for size in CONTINUED_GRAPH_LENGTHS.get(rows, ()) if size >= max(lengths)), None)
+        if self.given_up or length is None \
                 or max(starts) + length > self.store.column_capacity:
             return None
         self._drop_if_stale()

@@ -280,15 +280,18 @@ class _AttentionLayer:
 
     def _attend_padded(self, query, keys, values, rows):
         """Each padded row's attention over its slot's first columns (as many as rows.sees has), masked by
-        rows.sees."""
+        rows.sees. The query heads sharing a key head attend as that head's rows: each slot's keys are
+        gathered once, not once per query head."""
         group = self.heads // self.kv_heads
-        length, columns = rows.lengths[0], rows.sees.shape[2]
-        own_keys, own_values = (t[:, :, :columns].index_select(0, rows.prompt_slots).repeat_interleave(group, dim=1)
-                                for t in (keys, values))
-        queries = query.view(rows.sequences, length, self.heads, self.head_dim).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(queries, own_keys, own_values, attn_mask=rows.sees[:, None],
-                                                  scale=self.scaling)
-        return attended.transpose(1, 2).reshape(rows.sequences * length, -1)
+        sequences, length, columns = rows.sequences, rows.lengths[0], rows.sees.shape[2]
+        own_keys, own_values = (t[:, :, :columns].index_select(0, rows.prompt_slots) for t in (keys, values))
+        queries = query.view(sequences, length, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)
+        sees = rows.sees[:, None, None].expand(sequences, 1, group, length, columns)
+        attended = F.scaled_dot_product_attention(
+            queries.reshape(sequences, self.kv_heads, group * length, self.head_dim), own_keys, own_values,
+            attn_mask=sees.reshape(sequences, 1, group * length, columns), scale=self.scaling)
+        attended = attended.view(sequences, self.kv_heads, group, length, self.head_dim).permute(0, 3, 1, 2, 4)
+        return attended.reshape(sequences * length, -1)
 
 
 class _MLP:
