@@ -67,7 +67,7 @@ def main() -> None:
     columns = ids.shape[1] + 64
     with runner.serving():
         features = runner.encode_media([(prepared.tensors, "16x")])[0]
-        whole, whole_ms = timed(lambda: runner.prefill([(ids, features, None)], 0, columns), cuda, args.runs)
+        whole, whole_ms = timed(lambda: runner.prefill([(ids, features, None)], 0, columns).clone(), cuda, args.runs)
         head, head_ms = timed(lambda: runner.prefill([(ids[:, :turn], features, None)], 0, columns), cuda, args.runs)
         kept = runner.snapshot(0, turn)
         rows = {}
@@ -78,7 +78,7 @@ def main() -> None:
                 return runner.prefill_continued([(ids[:, turn:], None)] * count, [turn] * count, list(range(count)), columns)
 
             logits, ms = timed(going_on, cuda, args.runs)
-            rows[name] = (logits[:1], ms)
+            rows[name] = (logits[:1].clone(), ms)
     print(f"prompt: {ids.shape[1]} tokens, its last turn from {turn}; kept state {kept.nbytes / 2**20:.1f} MiB")
     print(f"whole prompt prefill: {whole_ms:.2f} ms; up to the turn's start: {head_ms:.2f} ms")
     print("| second part | ms (restores included) | largest logit difference | same token |")

@@ -124,9 +124,9 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
     ordered = whole + fresh + going_on
     slots = {id(request): first_slot + index for index, (request, _) in enumerate(ordered)}
     logits = []
-    if whole:
+    if whole:  # a copy: a captured prefill's logits are its graph's, which the next replay of it overwrites
         logits.append(runner.prefill([(r.prepared.tensors["input_ids"], f, r.prepared.canvas) for r, f in whole],
-                                     first_slot, columns))
+                                     first_slot, columns).clone())
     if fresh:
         runner.prefill([(_ids(r, 0, _turn(r)), f, None) for r, f in fresh], first_slot + len(whole), columns)
     for request, _ in going_on:
