@@ -52,7 +52,8 @@ from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  
 from benchmarks.cpu_use import CpuUse, own_cpu_seconds  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from benchmarks.streaming_client import streamed_outputs  # noqa: E402
-from benchmarks.workloads import WORKLOADS, UserRequests, make_workload, openai_messages, text_and_files  # noqa: E402
+from benchmarks.workloads import (WORKLOADS, UserRequests, engine_reply, make_workload, openai_messages,  # noqa: E402
+                                  text_and_files)
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -92,20 +93,10 @@ def engine_request(manager, messages, settings, abort: threading.Event) -> tuple
     return update.stats["ttft_ms"], update.stats
 
 
-def engine_answer(manager, messages, settings) -> str:
-    """The text of the engine's whole reply to `messages`, as the UI puts it into the conversation."""
-    from app.chat import reply_text, strip_reasoning
-
-    with closing(manager.stream(messages, settings)) as updates:
-        for update in updates:
-            pass
-    return strip_reasoning(reply_text(update.text, update.opens_thinking))
-
-
 def engine_requester(manager, workload, settings, user: int):
     """User `user`'s requests of `workload` (its conversation opened first, if a follow-up), in-process."""
     requests = UserRequests(workload, user)
-    requests.open(lambda messages: engine_answer(manager, messages, settings))
+    requests.open(lambda messages: engine_reply(manager, messages, settings)[0])
     return lambda abort: engine_request(manager, requests.next_messages(), settings, abort)
 
 

@@ -12,6 +12,7 @@ import base64
 import mimetypes
 import os
 import tempfile
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -122,6 +123,16 @@ class UserRequests:
     def next_messages(self) -> list[dict]:
         self.sent += 1
         return self.opening + [self.workload.timed_turn(self.sent)]
+
+
+def engine_reply(manager, messages: list[dict], settings) -> tuple[str, dict]:
+    """The engine's whole reply to `messages`: its text as the UI puts it into the conversation, and its stats."""
+    from app.chat import reply_text, strip_reasoning
+
+    with closing(manager.stream(messages, settings)) as updates:
+        for update in updates:
+            pass
+    return strip_reasoning(reply_text(update.text, update.opens_thinking)), update.stats
 
 
 def text_and_files(turn: dict) -> tuple[str, list[str]]:
