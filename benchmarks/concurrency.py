@@ -39,21 +39,18 @@ Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend
 import argparse
 import json
 import os
-import ssl
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
-from benchmarks.cpu_use import CpuUse, own_cpu_seconds  # noqa: E402
+from benchmarks.cpu_use import CpuUse  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
-from benchmarks.streaming_client import streamed_outputs  # noqa: E402
-from benchmarks.workloads import (WORKLOADS, UserRequests, engine_reply, make_workload, openai_messages,  # noqa: E402
-                                  text_and_files)
+from benchmarks.requesters import engine_requester  # noqa: E402
+from benchmarks.users import CLIENT_PROCESSES, drive_users, opened_users, run_clients  # noqa: E402
+from benchmarks.workloads import WORKLOADS, make_workload  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -77,287 +74,6 @@ def p50_p95_each(name: str, series: dict[str, list[float]]) -> dict:
             for label, fraction in (("p50", 0.5), ("p95", 0.95))}
 
 
-CLIENT_PROCESSES = 8  # app mode: gradio_client users are spread over this many processes
-
-
-class Aborted(Exception):
-    """The level's time ran out while this request was still waiting or streaming."""
-
-
-def engine_request(manager, messages, settings, abort: threading.Event) -> tuple[float, dict]:
-    """(time to first token in ms, the reply's stats), in-process."""
-    with closing(manager.stream(messages, settings)) as updates:
-        for update in updates:
-            if abort.is_set():
-                raise Aborted
-    return update.stats["ttft_ms"], update.stats
-
-
-def engine_requester(manager, workload, settings, user: int):
-    """User `user`'s requests of `workload` (its conversation opened first, if a follow-up), in-process."""
-    requests = UserRequests(workload, user)
-    requests.open(lambda messages: engine_reply(manager, messages, settings)[0])
-    return lambda abort: engine_request(manager, requests.next_messages(), settings, abort)
-
-
-def app_request(client, text: str, paths: list[str], settings, abort: threading.Event) -> tuple[float, dict]:
-    """(time to first token in ms as the client saw it, the reply's stats), through gradio_client."""
-    from gradio_client import handle_file
-
-    started, submitted_at = time.perf_counter(), time.time()
-    first = None
-    job = client.submit(text, [handle_file(path) for path in paths], settings, api_name="/ask")
-    for reply, _ in streamed_outputs(job, poll_s=0.01):  # 200 users' threads: 10 ms polls
-        if abort.is_set():
-            job.cancel()
-            raise Aborted
-        if reply and first is None:
-            first = time.perf_counter()
-    return round(((first or time.perf_counter()) - started) * 1000, 1), {**job.result()[1], "submitted_at": submitted_at,
-                                                                         **status_times(job)}
-
-
-def app_requester(client, workload, settings: dict, user: int):
-    """User `user`'s requests through /ask; a follow-up's conversation is this client's, kept by the server."""
-    from gradio_client import handle_file
-
-    requests = UserRequests(workload, user)
-    asked = {**settings, **workload.settings}
-
-    def answer(messages):
-        text, paths = text_and_files(messages[-1])
-        return client.predict(text, [handle_file(path) for path in paths], asked, api_name="/ask")[0]
-
-    requests.open(answer)
-    timed = {**asked, "follow_up": True} if workload.follow_up else asked
-    return lambda abort: app_request(client, *text_and_files(requests.next_messages()[-1]), timed, abort)
-
-
-def openai_request(client, model: str, messages: list[dict], fields: dict, abort: threading.Event) -> tuple[float, dict]:
-    """(time to first token in ms as the client saw it, the reply's token counts), streamed through the
-    OpenAI-compatible API; `fields`: the body's other fields (api_fields)."""
-    started, first, usage = time.perf_counter(), None, None
-    extra = {key: value for key, value in fields.items() if key not in ("model", "max_tokens", "temperature")}
-    with client.chat.completions.create(model=model, messages=messages, max_tokens=fields["max_tokens"], temperature=0,
-                                        stream=True, stream_options={"include_usage": True}, extra_body=extra) as stream:
-        for chunk in stream:
-            if abort.is_set():
-                raise Aborted
-            delta = chunk.choices[0].delta if chunk.choices else None
-            if first is None and delta is not None and (delta.content or getattr(delta, "reasoning_content", None)):
-                first = time.perf_counter()
-            usage = chunk.usage or usage
-    return (round(((first or time.perf_counter()) - started) * 1000, 1),
-            {"new_tokens": usage.completion_tokens, "prompt_tokens": usage.prompt_tokens})
-
-
-def http_request(client, url: str, body: bytes, abort: threading.Event) -> tuple[float, dict]:
-    """The same request as openai_request, as plain HTTP: its JSON body made ahead (StreamedBodies), the
-    server-sent events read line by line (what the server can do, without the SDK's work in the client)."""
-    started, first, usage = time.perf_counter(), None, {}
-    with client.stream("POST", url, content=body, headers={"Content-Type": "application/json"}) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if abort.is_set():
-                raise Aborted
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            deltas = [choice.get("delta") or {} for choice in event.get("choices", [])]
-            if first is None and any(delta.get("content") or delta.get("reasoning_content") for delta in deltas):
-                first = time.perf_counter()
-            usage = event.get("usage") or usage
-    return (round(((first or time.perf_counter()) - started) * 1000, 1),
-            {"new_tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens")})
-
-
-class StreamedBodies:
-    """openai-http mode's bodies for one user: the JSON of its messages made once, with a mark where the last
-    turn's text goes, so that no request encodes the media's base64 again (its opening and media are the
-    same in every request of a user: UserRequests)."""
-
-    MARK = "@@the-question@@"
-
-    def __init__(self, fields: dict):
-        self.fields = {**fields, "stream": True, "stream_options": {"include_usage": True}}
-        self.parts = None
-
-    def body(self, messages: list[dict]) -> bytes:
-        last = messages[-1]
-        if self.parts is None:
-            marked = {**last, "content": [{"type": "text", "text": self.MARK} if part["type"] == "text" else part
-                                          for part in last["content"]]}
-            encoded = json.dumps({**self.fields, "messages": openai_messages(messages[:-1] + [marked])}).encode()
-            self.parts = encoded.split(self.MARK.encode())
-        return json.dumps(text_and_files(last)[0])[1:-1].encode().join(self.parts)
-
-
-def api_fields(model: str, settings: dict, workload) -> dict:
-    """A request body's fields beside its messages: exactly the benchmark's new tokens, greedy, and the
-    workload's own settings (MiniCPM-V's, docs/OPENAI_API.md)."""
-    return {"model": model, "max_tokens": settings["max_new_tokens"], "min_tokens": settings["min_new_tokens"],
-            "temperature": 0, **workload.settings}
-
-
-def http_answer(http, url: str, fields: dict, messages: list[dict]) -> str:
-    """The text of the API's whole reply to `messages` (a follow-up's opening)."""
-    response = http.post(url, json={**fields, "messages": openai_messages(messages)})
-    response.raise_for_status()
-    return response.json()["choices"][0]["message"]["content"] or ""
-
-
-def status_times(job) -> dict:
-    """When this client heard (Unix time) that its request joined Gradio's queue, after the upload and the
-    join. gradio_client keeps every status update it got, each stamped on arrival, in a queue that nothing
-    reads unless the job is iterated."""
-    from gradio_client.utils import Status, StatusUpdate
-
-    heard = {}
-    updates = job.communicator.updates
-    while not updates.empty():
-        update = updates.get_nowait()
-        if isinstance(update, StatusUpdate):
-            heard.setdefault(update.code, update.time.timestamp())
-    return {"joined_at": heard[Status.IN_QUEUE]} if Status.IN_QUEUE in heard else {}
-
-
-def opened_users(make_requester, first_user: int, users: int) -> list:
-    """`make_requester(user)` for each of `users` users numbered from `first_user`, all at once (a
-    follow-up's users open their conversations together, as a level's first requests would)."""
-    with ThreadPoolExecutor(max_workers=users) as pool:
-        return list(pool.map(make_requester, range(first_user, first_user + users)))
-
-
-def drive_users(requesters: list, stop_issuing: float, deadline: float) -> tuple[list, list, int]:
-    """A thread for each of `requesters` (one user's), sending requests back to back until stop_issuing
-    (wall-clock time); what is still in flight at `deadline` is aborted. Returns (ttft ms, latency ms, new
-    tokens, finished at, stats) per request, failures, and the number aborted."""
-    results, failures, aborted = [], [], []
-    lock = threading.Lock()
-    abort = threading.Event()
-
-    def user(request):
-        while time.time() < stop_issuing:
-            started = time.time()
-            try:
-                ttft_ms, stats = request(abort)
-                with lock:
-                    results.append((ttft_ms, (time.time() - started) * 1000, stats["new_tokens"], time.time(), stats))
-            except Aborted:
-                with lock:
-                    aborted.append(1)
-            except Exception as error:  # counted and reported; a busy answer is retried a second later
-                with lock:
-                    failures.append(repr(error)[:200])
-                time.sleep(1.0)
-
-    threads = [threading.Thread(target=user, args=(request,), daemon=True) for request in requesters]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.time()))
-    abort.set()  # what is still waiting or streaming leaves now, so the next level starts clean
-    for thread in threads:
-        thread.join(60)
-    return results, failures, len(aborted)
-
-
-def _app_client_process(url, users, first_user, duration, grace, workload, settings, switch_interval, ready, go,
-                        out) -> None:
-    """Clients in a process of their own, so that they do not share the server's GIL (openai mode: `url`
-    is ("openai", the API's base URL, the model's name, plain HTTP or the SDK))."""
-    from gradio_client import Client
-
-    # A client's upload, like a web process's, is many small steps, each waiting for the GIL among the
-    # process's other users' threads; a browser user's is not.
-    sys.setswitchinterval(switch_interval)
-
-    # A client's first contact fetches the app's config and API description, and its first request
-    # builds a session in the server: heavy work for the web process that a user with the page open
-    # has behind them. Done here, 200 clients connecting at once took seconds of a level's window.
-    # gradio_client makes a new httpx client for each upload and each request, and with it a TLS context
-    # that loads the CA certificates (even for http URLs): at 200 users 30% of a client process's CPU
-    # (py-spy). One context per process, made here, is what a browser's TLS setup amounts to.
-    tls = ssl.create_default_context()
-    connecting = time.time()
-    if isinstance(url, tuple):
-        make_requester = _openai_requesters(*url[1:], workload, settings, users)
-    else:
-        clients = [Client(url, verbose=False, ssl_verify=tls) for _ in range(users)]
-
-        def make_requester(user):
-            return app_requester(clients[user - first_user], workload, settings, user)
-    connect_s = time.time() - connecting
-    opening = time.time()
-    requesters = opened_users(make_requester, first_user, users)
-
-    ready.put((connect_s, time.time() - opening))
-    go.wait()
-    started, cpu_started = time.time(), own_cpu_seconds()
-    results = drive_users(requesters, started + duration, started + duration + grace)
-    out.put((*results, own_cpu_seconds() - cpu_started, time.time() - started))
-
-
-def _openai_requesters(base_url: str, model: str, plain_http: bool, workload, settings: dict, users: int):
-    """make_requester for openai mode: one client a user (a follow-up's conversation opened through plain
-    HTTP, untimed); `plain_http` (openai-http mode): httpx alone, each user's bodies made ahead."""
-    import httpx
-    from openai import OpenAI
-
-    # One connection a user, as each of them would hold (the SDK's default pool is shared and kept small).
-    limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
-    http = httpx.Client(limits=limits, timeout=600)
-    client = None if plain_http else OpenAI(base_url=base_url, api_key="benchmark", max_retries=0, timeout=600,
-                                            http_client=httpx.Client(limits=limits, timeout=600))
-    url = base_url + "/chat/completions"
-    fields = api_fields(model, settings, workload)
-
-    def make_requester(user):
-        requests = UserRequests(workload, user)
-        requests.open(lambda messages: http_answer(http, url, fields, messages))
-        if plain_http:
-            bodies = StreamedBodies(fields)
-            return lambda abort: http_request(http, url, bodies.body(requests.next_messages()), abort)
-        return lambda abort: openai_request(client, model, openai_messages(requests.next_messages()), fields, abort)
-
-    return make_requester
-
-
-def _run_clients(users: int, first_user: int, duration: float, grace: float, metrics, app, engine_pid, serving,
-                 client_processes: int) -> tuple:
-    """run_level's users as clients in processes of their own: their results, failures, unfinished count, the
-    cores they used, the seconds they took to connect and to open their conversations, the CPU measure and
-    the level's start."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    ready, go, out = context.Queue(), context.Event(), context.Queue()
-    url, workload, settings, switch_interval = app
-    shares = [users // client_processes + (i < users % client_processes) for i in range(client_processes)]
-    firsts = [first_user + sum(shares[:i]) for i in range(client_processes)]
-    processes = [context.Process(target=_app_client_process, args=(url, share, first, duration, grace, workload, settings,
-                                                                   switch_interval, ready, go, out))
-                 for share, first in zip(shares, firsts) if share]
-    for process in processes:
-        process.start()
-    readiness = [ready.get(timeout=600) for _ in processes]
-    metrics.reset()  # also the GPU memory peak
-    cpu = CpuUse(engine_pid or os.getpid(), clients=tuple(process.pid for process in processes), serving=serving)
-    started = time.time()
-    go.set()
-    results, failures, unfinished, client_cores = [], [], 0, 0.0
-    for _ in processes:
-        part = out.get(timeout=duration + grace + 180)
-        results += part[0]
-        failures += part[1]
-        unfinished += part[2]
-        client_cores += part[3] / part[4]
-    for process in processes:
-        process.join(30)
-    return (results, failures, unfinished, client_cores, max(r[0] for r in readiness), max(r[1] for r in readiness),
-            cpu, started)
-
-
 def run_level(users: int, duration: float, grace: float, metrics, make_requester=None, app=None,
               engine_pid: int | None = None, serving: dict[str, tuple[int, ...]] | None = None,
               client_processes: int = CLIENT_PROCESSES, first_user: int = 1) -> dict:
@@ -376,7 +92,7 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         started = time.time()
         results, failures, unfinished = drive_users(requesters, started + duration, started + duration + grace)
     else:
-        results, failures, unfinished, client_cores, connect_s, opening_s, cpu, started = _run_clients(
+        results, failures, unfinished, client_cores, connect_s, opening_s, cpu, started = run_clients(
             users, first_user, duration, grace, metrics, app, engine_pid, serving, client_processes)
     cores = cpu.cores()
     ended = max([r[3] for r in results], default=time.time())
@@ -442,6 +158,32 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         **({"clients_connect_s": round(connect_s, 1)} if app else {}),
         "failure_examples": failures[:3],
     }
+
+
+def serve(config, manager, mode: str) -> tuple:
+    """The app served as `python app.py` serves it: (what the clients' processes connect to: the app's URL, or
+    in openai modes ("openai", the API's base URL, the model's name, plain HTTP or the SDK), the web processes
+    and the fronts, or None and None with one web process, this one)."""
+    web = fronts = None
+    if config.web_processes > 1:
+        from app.web.processes import Fronts, WebProcesses, front_processes
+
+        web = WebProcesses(config, manager.listen, config.web_processes)
+        web.start()
+        fronts = Fronts("127.0.0.1", config.port, web.urls, front_processes(config))
+        fronts.start()
+        print(f"web processes: {' '.join(map(str, web.pids))}", flush=True)
+        print(f"front processes: {' '.join(map(str, fronts.pids))}", flush=True)
+        url = f"http://127.0.0.1:{config.port}/"
+    else:
+        from app.web.server import launch
+
+        url = launch(config, manager, prevent_thread_lock=True).local_url
+    if mode.startswith("openai"):
+        from app.web.openai_api import served_model
+
+        url = ("openai", url + "v1", served_model(manager), mode == "openai-http")
+    return url, web, fronts
 
 
 def request_shape(request) -> dict:
@@ -533,26 +275,8 @@ def main() -> None:
         return engine_requester(manager, workload, generation, user)
 
     app, web, fronts = None, None, None
-    if args.mode != "engine" and config.web_processes > 1:
-        from app.web.processes import Fronts, WebProcesses, close_serving, front_processes
-
-        web = WebProcesses(config, manager.listen, config.web_processes)
-        web.start()
-        fronts = Fronts("127.0.0.1", config.port, web.urls, front_processes(config))
-        fronts.start()
-        print(f"web processes: {' '.join(map(str, web.pids))}", flush=True)
-        print(f"front processes: {' '.join(map(str, fronts.pids))}", flush=True)
-        url = f"http://127.0.0.1:{config.port}/"
-    elif args.mode != "engine":
-        from app.web.server import launch
-
-        url = launch(config, manager, prevent_thread_lock=True).local_url
-    if args.mode.startswith("openai"):
-        from app.web.openai_api import served_model
-
-        # The clients' processes take the API's address.
-        url = ("openai", url + "v1", served_model(manager), args.mode == "openai-http")
     if args.mode != "engine":
+        url, web, fronts = serve(config, manager, args.mode)
         app = (url, workload, settings, args.client_switch_interval)
 
     report = {
@@ -584,6 +308,8 @@ def main() -> None:
     print(summary_table(report["levels"]), flush=True)
     write_json(args.json, report)
     if web:
+        from app.web.processes import close_serving
+
         close_serving(web, fronts)
 
 
