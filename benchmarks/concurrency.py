@@ -5,25 +5,28 @@ Each request: exactly --new-tokens new tokens, greedy, after what --workload say
               RESULTS.md unless it says otherwise (--image-format: a 5.4 MB noise PNG, or the same as a JPEG),
   image-448   one 448x448 JPEG photo (64 visual tokens) and the same question,
   text        a text-only chat turn: a short prompt,
-  follow-up   a follow-up in a conversation that holds a 1344x1344 JPEG: [user: the image and a question,
+  follow-up   a follow-up in a conversation that holds a 1344x1344 image (a JPEG unless --image-format says
+              otherwise): [user: the image and a question,
               assistant: the engine's answer to it, user: a new question]. Each user opens its conversation
               (a first question of its own, answered by the engine) before the level's clock; its timed
               requests send the same image and first two messages again, each with a question not sent
               before. In app mode /ask keeps the conversation in the server (settings follow_up), where it
-              grows by each turn: every timed request is the next turn of the user's one conversation,
+              grows by each turn: every timed request is the next turn of the user's one conversation
+              (see prompt_tokens; compare app mode's follow-ups only with each other),
   video-16    a 16-frame video (a 16 s synthetic mp4, sampled at 1 frame a second, at most 16) and a question.
 Each level runs for --duration seconds of new requests, then waits up to --grace seconds for those in
 flight; unfinished ones are reported, not hidden. Each level gives the mean, p50 and p95 of the time to first
 token and of the response time (a request's whole latency), tokens/s and success, then a table of them at the
-end. Modes:
+end; first, one request of the workload through the engine says what each holds (prompt and visual tokens,
+video frames). Modes:
   --mode engine  the engine called from this script, as a Python program would (what the GPU can do),
   --mode app     the full app through gradio_client (what a browser user gets); the clients run in
                  processes of their own, so that they do not slow the server down, and connect before
                  the level's clock starts, as users whose page is open (connecting is timed apart),
   --mode openai  the same requests through the app's OpenAI-compatible API with the official `openai`
-                 client, streamed, the image as a base64 data URL (clients as in app mode; the columns
-                 that need the engine's own stats of each reply are left out); --mode openai-http: the
-                 same with plain httpx clients, each request's JSON body encoded once.
+                 client, streamed, the image or video as a base64 data URL (clients as in app mode; the
+                 columns that need the engine's own stats of each reply are left out); --mode openai-http:
+                 the same with plain httpx clients, each body's media encoded once.
 Either way the engine runs in a process of its own, as `python app.py` runs it; --in-process-engine runs
 it in the benchmark's (or the app's) process instead, as before that split. In app and openai mode, --web-processes N
 serves the app as `python app.py --web-processes N` does: N web processes behind app.web.proxy's proxy, in
