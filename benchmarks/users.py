@@ -93,7 +93,7 @@ def _app_client_process(url, users, first_user, duration, grace, workload, setti
 
 
 def run_clients(users: int, first_user: int, duration: float, grace: float, metrics, app, engine_pid, serving,
-                 client_processes: int) -> tuple:
+                client_processes: int) -> tuple:
     """run_level's users as clients in processes of their own: their results, failures, unfinished count, the
     cores they used, the seconds they took to connect and to open their conversations, the CPU measure and
     the level's start."""
