@@ -1,0 +1,167 @@
+"""What the benchmarks' users send (concurrency.py --workload, follow_ups.py): each workload's file and
+messages, one user's run of requests, and those messages as the OpenAI-compatible API takes them.
+
+Messages are the engine's (app.chat): {"role", "content": [{"type": "image" | "video", "path"}, {"type": "text",
+"text"}]}. A follow-up's user opens its conversation once, before the level's clock: its image and a question
+of its own (so that no two users hold the same conversation), answered by the engine; each timed request then
+sends that turn and that answer again, with a new question (never the same twice, so that no request repeats
+a whole earlier prompt).
+"""
+
+import base64
+import mimetypes
+import os
+import tempfile
+from contextlib import closing
+from dataclasses import dataclass, field
+from functools import cache
+
+from benchmarks.real_shape import QUESTION
+
+WORKLOADS = ("image-1344", "image-448", "text", "follow-up", "video-16")
+TEXT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+VIDEO_QUESTION = "Describe what happens in this video."
+FOLLOW_UP_QUESTION = "And what about the left corner of the image?"
+# 16 frames: a 16-second clip sampled at 1 frame a second, capped at 16 (app.media.video.sampled_frame_indices).
+VIDEO_SECONDS = 16
+VIDEO_SETTINGS = {"video_fps": 1.0, "video_max_frames": 16}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    media: dict | None  # the part that the first user turn holds: {"type": "image" | "video", "path": ...}
+    question: str
+    settings: dict = field(default_factory=dict)  # generation settings beyond the benchmark's own
+    follow_up: bool = False
+
+    def opening_turn(self, user: int) -> dict:
+        """A follow-up's first user turn: the image and this user's own first question."""
+        return user_turn(self.media, f"User {user}: {QUESTION}")
+
+    def timed_turn(self, request: int) -> dict:
+        """The last user turn of a timed request, the `request`-th of its user."""
+        if self.follow_up:
+            return user_turn(None, f"{FOLLOW_UP_QUESTION} (question {request})")
+        return user_turn(self.media, self.question)
+
+
+def make_workload(name: str, image_format: str | None = None) -> Workload:
+    """The workload `name`, its file written into the temporary folder. `image_format` (png or jpeg) is
+    for the 1344x1344 image of image-1344 (png by default: every table of RESULTS.md) and follow-up (jpeg)."""
+    if name == "image-1344":
+        return Workload(name, image_part(noise_image(1344, image_format or "png")), QUESTION)
+    if name == "follow-up":
+        return Workload(name, image_part(noise_image(1344, image_format or "jpeg")), QUESTION, follow_up=True)
+    if name == "image-448":
+        return Workload(name, image_part(noise_image(448, "jpeg")), QUESTION)
+    if name == "text":
+        return Workload(name, None, TEXT_PROMPT)
+    if name == "video-16":
+        return Workload(name, {"type": "video", "path": make_video()}, VIDEO_QUESTION, dict(VIDEO_SETTINGS))
+    raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
+
+
+def noise_image(side: int, image_format: str, tag: str = "") -> str:
+    """A new side x side noise image, as benchmark_request makes its own (a JPEG of quality 90); `tag` names
+    a file apart from the others of its size."""
+    from PIL import Image
+
+    path = os.path.join(tempfile.gettempdir(), f"benchmark-{side}{tag}.{image_format}")
+    Image.effect_noise((side, side), 64).convert("RGB").save(path, **({"quality": 90} if image_format == "jpeg" else {}))
+    return path
+
+
+def image_part(path: str) -> dict:
+    return {"type": "image", "path": path}
+
+
+def make_video(seconds: int = VIDEO_SECONDS, fps: int = 24, size: tuple[int, int] = (640, 360)) -> str:
+    """An mp4v clip (OpenCV's writer, as the tests make theirs: tests/conftest.py): a gradient that drifts
+    and a square that crosses it, so that frames differ as a film's do."""
+    import cv2
+    import numpy as np
+
+    path = os.path.join(tempfile.gettempdir(), f"benchmark-video-{seconds}s.mp4")
+    width, height = size
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
+    columns = np.arange(width, dtype=np.int32)
+    for index in range(seconds * fps):
+        frame = np.empty((height, width, 3), np.uint8)
+        frame[:] = ((columns + 4 * index) % 256).astype(np.uint8)[None, :, None]
+        left = index * (width - 80) // (seconds * fps)
+        frame[height // 2 - 40:height // 2 + 40, left:left + 80] = (30, 60, 220)
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def user_turn(media: dict | None, text: str) -> dict:
+    return {"role": "user", "content": [*([media] if media else []), {"type": "text", "text": text}]}
+
+
+def assistant_turn(text: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+class UserRequests:
+    """One user's requests of `workload`: the same opening each time (a follow-up's image turn and its
+    answer), then the request's own last turn."""
+
+    def __init__(self, workload: Workload, user: int):
+        self.workload, self.user = workload, user
+        self.opening: list[dict] = []
+        self.sent = 0
+
+    def open(self, answer) -> None:
+        """A follow-up's opening, answered once by `answer(messages) -> the reply's text` (nothing to do for
+        the other workloads)."""
+        if self.workload.follow_up:
+            first = self.workload.opening_turn(self.user)
+            self.opening = [first, assistant_turn(answer([first]))]
+
+    def next_messages(self) -> list[dict]:
+        self.sent += 1
+        return self.opening + [self.workload.timed_turn(self.sent)]
+
+
+def engine_reply(manager, messages: list[dict], settings) -> tuple[str, dict]:
+    """The engine's whole reply to `messages`: its text as the UI puts it into the conversation, and its stats."""
+    from app.chat import reply_text, strip_reasoning
+
+    with closing(manager.stream(messages, settings)) as updates:
+        for update in updates:
+            pass
+    return strip_reasoning(reply_text(update.text, update.opens_thinking)), update.stats
+
+
+def text_and_files(turn: dict) -> tuple[str, list[str]]:
+    """A user turn as /ask takes it: its text and its files' paths."""
+    text = "".join(part["text"] for part in turn["content"] if part["type"] == "text")
+    return text, [part["path"] for part in turn["content"] if part["type"] != "text"]
+
+
+@cache
+def data_url(path: str) -> str:
+    """The file as a base64 data URL, made once per file."""
+    media_type = mimetypes.guess_type(path)[0]
+    with open(path, "rb") as file:
+        return f"data:{media_type};base64," + base64.b64encode(file.read()).decode()
+
+
+def openai_messages(messages: list[dict]) -> list[dict]:
+    """The engine's messages as the OpenAI-compatible API takes them: media as data URLs (docs/OPENAI_API.md)."""
+    converted = []
+    for message in messages:
+        if message["role"] == "assistant":
+            converted.append({"role": "assistant", "content": text_and_files(message)[0]})
+            continue
+        parts = []
+        for part in message["content"]:
+            if part["type"] == "text":
+                parts.append(part)
+            else:
+                kind = f"{part['type']}_url"
+                parts.append({"type": kind, kind: {"url": data_url(part["path"])}})
+        converted.append({"role": "user", "content": parts})
+    return converted
