@@ -6,7 +6,6 @@ CPU, and a JPEG that cannot be decoded fails its own request alone."""
 import os
 import threading
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -18,7 +17,9 @@ from app.engine.jpegs_on_device import DEFERRED_JPEGS
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.images import jpeg_for_the_device
-from app.model.jpegs import CPU, JpegsOnDevice, NoJpegsOnDevice, jpegs_for, resized, slices
+from app.model import jpegs
+from app.model.jpegs import CPU, JpegsOnDevice, NoJpegsOnDevice, jpegs_for, processor_resized, resized, slices
+from benchmarks.photo import write_photo
 
 # (width, height): slices of 448 (1344 square: the source view alone is resized), a refined view resized
 # too, one upscaled, a long thin one, one too small to slice, an odd size.
@@ -26,16 +27,8 @@ SIZES = [(1344, 1344), (1000, 750), (333, 517), (3000, 300), (64, 64), (1203, 87
 
 
 def photo(folder, name: str, size: tuple[int, int], seed: int = 0, **save) -> str:
-    """A JPEG like a photo: smooth light, edges and grain (noise alone makes an unusually large JPEG)."""
-    width, height = size
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width] / max(size)
-    light = np.stack([180 * (1 - y) + 40 * np.sin(9 * x), 120 + 90 * x * y, 200 * y + 30 * np.cos(13 * x * y)], -1)
-    light[(x - 0.5) ** 2 + (y - 0.4) ** 2 < 0.04] = (230, 200, 60)  # a sun with a sharp edge
-    pixels = np.clip(light + rng.normal(0, 6, light.shape), 0, 255).astype(np.uint8)
-    path = os.path.join(str(folder), name)
-    Image.fromarray(pixels).save(path, quality=save.pop("quality", 90), **save)
-    return path
+    """A JPEG like a photo (benchmarks/photo.py)."""
+    return write_photo(os.path.join(str(folder), name), *size, seed=seed, **save)
 
 
 def question(*paths: str) -> list[dict]:
@@ -62,16 +55,20 @@ def test_a_request_prepared_without_its_pixels_gets_the_processors_prompt_and_th
             assert torch.equal(left.tensors[key], value), key
         assert (left.prompt_tokens, left.image_tokens) == (today.prompt_tokens, today.image_tokens)
         assert deferred.paths == tuple(request) and deferred.pixel_bytes == pixels.numel()
-        assert torch.equal(slices(deferred, CPU), pixels), request
+        assert torch.equal(slices(deferred, CPU, resize=resized), pixels), request  # the GPU's resize, on the CPU
+        if request == paths[:3]:
+            assert torch.equal(slices(deferred, CPU), pixels)  # where the engine makes them on its CPU
 
 
-def test_the_resize_is_the_processors_uint8_resize_bit_for_bit():
+def test_the_resize_is_the_processors_uint8_resize_bit_for_bit(monkeypatch):
     """Against torchvision's resize on the CPU (the processor's), shrinking and growing by odd ratios."""
     generator = torch.Generator().manual_seed(0)
     image = torch.randint(0, 256, (3, 517, 333), dtype=torch.uint8, generator=generator)
     for height, width in [(448, 448), (56, 1008), (1400, 1400), (517, 112), (97, 333), (1, 5)]:
         expected = tvF.resize(image, [height, width], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
         assert torch.equal(resized(image, height, width), expected), (height, width)
+    monkeypatch.setattr(jpegs, "_PASS_PIXELS", 3 * 517 * 40)  # in pieces of 40 rows or columns, as a huge image
+    assert torch.equal(resized(image, 448, 1000), processor_resized(image, 448, 1000))
 
 
 def test_what_the_gpu_path_cannot_match_stays_on_the_cpu(manager, tmp_path):

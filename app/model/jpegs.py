@@ -32,16 +32,18 @@ log = logging.getLogger(__name__)
 CPU = torch.device("cpu")
 
 
-def slices(deferred: DeferredJpegs, device) -> torch.Tensor:
+def slices(deferred: DeferredJpegs, device, resize=None) -> torch.Tensor:
     """The request's pixel_values [1, 3, patch, tokens * patch] in uint8 on `device`, as the processor makes
-    them: each image's source view then its slices, image after image. A JPEG that cannot be decoded is
-    refused with the app's message for an unreadable image."""
+    them: each image's source view then its slices, image after image. Resized by `resize` (images, height,
+    width), by default `resized` on a GPU and on the CPU the processor's own call, which is faster there. A
+    JPEG that cannot be decoded is refused with the app's message for an unreadable image."""
+    resize = resize or (resized if device.type != "cpu" else processor_resized)
     images = decoded(deferred.paths, device)
     views = []
     for path, image, slicing in zip(deferred.paths, images, deferred.slicings):
         if tuple(image.shape[-2:]) != slicing.size:  # not what its header said: its tokens would not fit
             raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
-        views.append(image_views(image, slicing, deferred.patch_size))
+        views.append(image_views(image, slicing, deferred.patch_size, resize))
     return torch.cat(views, dim=-1).unsqueeze(0)
 
 
@@ -77,14 +79,14 @@ def _read(path: str) -> torch.Tensor:
         raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path))) from error
 
 
-def image_views(image: torch.Tensor, slicing: ImageSlicing, patch: int) -> torch.Tensor:
+def image_views(image: torch.Tensor, slicing: ImageSlicing, patch: int, resize) -> torch.Tensor:
     """One image's source view and slices, each cut into patches as image_patches cuts it, side by side:
     [3, patch, tokens * patch]. The slices are cut out of the refined image by one reshape, in the order
     of transformers' divide_to_patches (row after row)."""
-    source = image_patches(resized(image, *slicing.source), patch)
+    source = image_patches(resize(image, *slicing.source), patch)
     if not slicing.grid:
         return source
-    refined = resized(image, *slicing.refined)
+    refined = resize(image, *slicing.refined)
     rows, cols = slicing.grid
     height, width = slicing.slice_size
     cut = refined.reshape(3, rows, height // patch, patch, cols, width // patch, patch)
@@ -100,6 +102,18 @@ def resized(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return image
 
 
+def processor_resized(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The processor's own resize (transformers' TorchvisionBackend.resize), for images on the CPU."""
+    from torchvision.transforms.v2 import functional
+
+    return functional.resize(image, [height, width], interpolation=functional.InterpolationMode.BICUBIC, antialias=True)
+
+
+# A pass's float64 work in pieces of at most this many input pixels (128 MB): a 64-megapixel image would
+# otherwise take 1.5 GB of the GPU at once.
+_PASS_PIXELS = 2**24
+
+
 def _resized_along(image: torch.Tensor, size: int, last: bool) -> torch.Tensor:
     """One pass: the width (`last`) or the height to `size`, rounded and clamped to uint8 as the CPU's."""
     length = image.shape[-1] if last else image.shape[-2]
@@ -107,6 +121,12 @@ def _resized_along(image: torch.Tensor, size: int, last: bool) -> torch.Tensor:
     weights = torch.zeros((size, length), dtype=torch.float64, device=image.device)
     columns = (first[:, None] + torch.arange(taps.shape[1])).clamp_(max=length - 1)  # past the end: weight 0
     weights.scatter_add_(1, columns.to(image.device), taps.to(image.device))
+    across = -2 if last else -1  # the pieces: rows for the width's pass, columns for the height's
+    pieces = image.split(max(1, _PASS_PIXELS // (image.shape[0] * length)), dim=across)
+    return torch.cat([_pass(piece, weights, precision, last) for piece in pieces], dim=across)
+
+
+def _pass(image: torch.Tensor, weights: torch.Tensor, precision: int, last: bool) -> torch.Tensor:
     pixels = image.double()
     sums = pixels @ weights.T if last else weights @ pixels
     return sums.add_(1 << (precision - 1)).div_(1 << precision).floor_().clamp_(0, 255).to(torch.uint8)
@@ -161,7 +181,7 @@ class JpegsOnDevice:
 
     def pixels(self, deferred: DeferredJpegs, staging):
         """The request's pixel_values: made on the GPU and held as staged pixels, or, where the staged
-        pixels are at their limit, made on this CPU (bit for bit the processor's) and copied in their wave."""
+        pixels are at their limit, made on this CPU as a preparer makes them and copied in their wave."""
         staged = staging.make(deferred.pixel_bytes, lambda: slices(deferred, self.device))
         return staged if staged is not None else slices(deferred, CPU)
 
