@@ -53,6 +53,8 @@ def pixel_check(checkpoint: str, paths: dict[str, str], runs: int) -> dict:
     from app.media.images import load_image_pixels
     from app.model.jpegs import CPU, decoded, image_views, resized, slices
 
+    from torchvision.io import ImageReadMode, decode_jpeg, read_file
+
     processor, settings, cuda = load_processor(checkpoint, False), GenerationSettings(max_new_tokens=8), torch.device("cuda")
     report = {}
     for name in ("photo_jpeg", "progressive_jpeg", "photo_1000x750_jpeg"):
@@ -60,7 +62,7 @@ def pixel_check(checkpoint: str, paths: dict[str, str], runs: int) -> dict:
         expected = prepare_inputs(processor, question(path), settings, 32768).tensors["pixel_values"]
         deferred = prepare_inputs(processor, question(path), settings, 32768, jpegs_on_device=True).tensors[DEFERRED_JPEGS]
         made = slices(deferred, cuda).cpu()
-        image = decoded(deferred.paths, cuda)[0]
+        image = decode_jpeg(read_file(path), mode=ImageReadMode.RGB, device=cuda)  # nvJPEG's alone, no fallback
         report[name] = {
             "bytes": os.path.getsize(path),
             "pixel_values": levels(made, expected),
@@ -69,8 +71,6 @@ def pixel_check(checkpoint: str, paths: dict[str, str], runs: int) -> dict:
             "gpu_decode_ms": gpu_ms(lambda: decoded(deferred.paths, cuda), runs),
             "gpu_slice_ms": gpu_ms(lambda: image_views(image, deferred.slicings[0], deferred.patch_size, resized), runs),
         }
-    from torchvision.io import ImageReadMode, decode_jpeg, read_file
-
     try:
         decode_jpeg(read_file(paths["corrupt_jpeg"]), mode=ImageReadMode.RGB, device=cuda)
         report["corrupt_jpeg_by_nvjpeg"] = "decoded without an error (the engine then serves what nvJPEG made of it)"

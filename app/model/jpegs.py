@@ -117,10 +117,8 @@ _PASS_PIXELS = 2**24
 def _resized_along(image: torch.Tensor, size: int, last: bool) -> torch.Tensor:
     """One pass: the width (`last`) or the height to `size`, rounded and clamped to uint8 as the CPU's."""
     length = image.shape[-1] if last else image.shape[-2]
-    first, taps, precision = _axis_taps(length, size)
-    weights = torch.zeros((size, length), dtype=torch.float64, device=image.device)
-    columns = (first[:, None] + torch.arange(taps.shape[1])).clamp_(max=length - 1)  # past the end: weight 0
-    weights.scatter_add_(1, columns.to(image.device), taps.to(image.device))
+    columns, taps, precision = _axis_taps_on(length, size, image.device)
+    weights = torch.zeros((size, length), dtype=torch.float64, device=image.device).scatter_add_(1, columns, taps)
     across = -2 if last else -1  # the pieces: rows for the width's pass, columns for the height's
     pieces = image.split(max(1, _PASS_PIXELS // (image.shape[0] * length)), dim=across)
     return torch.cat([_pass(piece, weights, precision, last) for piece in pieces], dim=across)
@@ -132,7 +130,14 @@ def _pass(image: torch.Tensor, weights: torch.Tensor, precision: int, last: bool
     return sums.add_(1 << (precision - 1)).div_(1 << precision).floor_().clamp_(0, 255).to(torch.uint8)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
+def _axis_taps_on(length: int, size: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """_axis_taps on `device` (kept there: the common sizes recur), each tap as its input's index [size, taps]."""
+    first, taps, precision = _axis_taps(length, size)
+    columns = (first[:, None] + torch.arange(taps.shape[1])).clamp_(max=length - 1)  # past the end: weight 0
+    return columns.to(device), taps.to(device), precision
+
+
 def _axis_taps(length: int, size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """For resizing an axis of `length` pixels to `size` (bicubic, antialiased): each output's first input
     index [size], its int16 weights [size, taps] (as float64, 0 past its last input) and their precision in
@@ -210,7 +215,7 @@ def jpegs_for(device, wanted: bool):
         image = decode_jpeg(encode_jpeg(torch.full((3, 64, 96), 128, dtype=torch.uint8)), mode=ImageReadMode.RGB, device=device)
         resized(image, 56, 84)
         torch.cuda.synchronize(device)
-    except (RuntimeError, ImportError) as error:
+    except Exception as error:  # whatever this torchvision or GPU lacks: the model loads and serves all the same
         log.warning("JPEGs are decoded on the CPU: torchvision cannot decode them on %s (%s)", device, error)
         return NoJpegsOnDevice()
     log.info("JPEGs are decoded, resized and sliced on %s (nvJPEG)", device)
