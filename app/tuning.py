@@ -47,6 +47,11 @@ MEDIA_ALONGSIDE_DECODING = 1
 # off by default, as a chat's users weigh the first token most.
 VISION_SM_CARVEOUT = 0
 STAGED_PIXELS_MB = 2048  # waiting requests' pixels copied to the GPU ahead of their wave
+# 1: on CUDA, where torchvision decodes JPEGs on the GPU (tried once as the model loads), a request whose
+# images are all JPEGs is prepared without its pixels, which the engine makes on the GPU as it stages them
+# (nvJPEG, then the processor's resize and slices: app.model.jpegs). Preparing a 1344x1344 JPEG on a CPU core
+# was most of a lone request's first token on an H200 (docs/DECISIONS.md D43). 0: preparers decode every image.
+JPEG_ON_DEVICE = 1
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 # How often Python hands the GIL from one thread to another in the app's serving processes (its default
 # is 5 ms). A thread that gave the GIL up to wait (for the GPU, a pipe, a file write) gets it back only
@@ -111,6 +116,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "MEDIA_ALONGSIDE_DECODING",
     "VISION_SM_CARVEOUT",
     "STAGED_PIXELS_MB",
+    "JPEG_ON_DEVICE",
     "SWITCH_INTERVAL_S",
     "PREPARE_CONCURRENCY",
     "STREAM_UPDATE_INTERVAL_S",

@@ -285,7 +285,10 @@ class ModelManager:
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
         self._wait_until_ready()
         asked = time.perf_counter()
-        prepared = self.preparer.prepare(messages, settings, self.max_context_tokens)
+        runner = self.runner  # None while a model is switched in
+        # Where the engine makes JPEGs' pixels on its GPU, the preparer leaves them to runner.stage_media.
+        prepared = self.preparer.prepare(messages, settings, self.max_context_tokens,
+                                         jpegs_on_device=runner is not None and runner.jpegs.enabled)
         prepared.timeline["asked"] = asked
         # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
         prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)

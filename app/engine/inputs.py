@@ -21,7 +21,8 @@ from app.engine.prompt_text import TextPartsAsText, with_placeholders
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
-from app.media.images import load_image_pixels
+from app.engine.jpegs_on_device import DEFERRED_JPEGS, DeferredJpegs, PlannedSlices, defers_jpegs, stand_in_images
+from app.media.images import jpeg_for_the_device, load_image_pixels
 from app.media.video import sample_video
 
 
@@ -103,7 +104,7 @@ def _leave_images_unnormalized(processor) -> None:
     import torch
 
     image_processor = getattr(processor, "image_processor", None)
-    if getattr(image_processor, "reshape_by_patch", None) is not _image_patches:
+    if getattr(image_processor, "reshape_by_patch", None) is not image_patches:
         return
     from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
 
@@ -148,7 +149,7 @@ def _uint8_slices(image_processor, images: list, do_resize: bool, resample, do_r
             slices = divide_to_patches(refined, (slice_height, slice_width))
             views += slices
             sizes += [[slice_height // patch_size, slice_width // patch_size]] * len(slices)
-        pixel_values += [_image_patches(view.to(torch.uint8), patch_size) for view in views]
+        pixel_values += [image_patches(view.to(torch.uint8), patch_size) for view in views]
         target_sizes += sizes
         grids.append(grid if grid is not None else [0, 0])
         counts.append(len(views))
@@ -169,14 +170,14 @@ def _cut_patches_by_reshape(processor) -> None:
         from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
     except ImportError:  # a transformers without 4.6: nothing of theirs to change
         return
-    for name, known, cut in (("image_processor", MiniCPMV4_6ImageProcessor, _image_patches),
+    for name, known, cut in (("image_processor", MiniCPMV4_6ImageProcessor, image_patches),
                              ("video_processor", MiniCPMV4_6VideoProcessor, _video_patches)):
         part = getattr(processor, name, None)
         if part is not None and getattr(type(part), "reshape_by_patch", None) is known.reshape_by_patch:
             part.reshape_by_patch = cut
 
 
-def _image_patches(image, patch_size: int):
+def image_patches(image, patch_size: int):
     """[C, H, W] -> [C, patch_size, H * W / patch_size]: patch after patch, row by row, each patch's rows side by side."""
     channels, height, width = image.shape
     patches = image.reshape(channels, height // patch_size, patch_size, width // patch_size, patch_size)
@@ -192,14 +193,14 @@ def normalized_pixels(pixels, normalization):
 
 
 def _video_patches(videos, patch_size: int):
-    """[B, T, C, H, W] -> [B, T, C, patch_size, H * W / patch_size], each frame as _image_patches cuts an image."""
+    """[B, T, C, H, W] -> [B, T, C, patch_size, H * W / patch_size], each frame as image_patches cuts an image."""
     batch, frames, channels, height, width = videos.shape
     patches = videos.reshape(batch, frames, channels, height // patch_size, patch_size, width // patch_size, patch_size)
     return patches.permute(0, 1, 2, 4, 3, 5, 6).reshape(batch, frames, channels, patch_size, -1)
 
 
 def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
-                   pixel_dtype=None) -> PreparedInputs:
+                   pixel_dtype=None, jpegs_on_device: bool = False) -> PreparedInputs:
     """Model inputs for the conversation; the oldest turns are left out (with a notice) when it holds more
     media than one request may (the latest turn alone still must fit), then while it outgrows the context.
     A system message (first, if any) is always kept.
@@ -207,6 +208,8 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     Floating-point pixels (a video's) come in `pixel_dtype` (the vision tower's): the model would cast
     them on the GPU anyway, and float32 doubles what crosses from a worker process and to the GPU (24
     MB for one 1344x1344 image). The app's processor leaves images in uint8 (_leave_images_unnormalized).
+    With `jpegs_on_device` (the engine decodes JPEGs on its GPU), a request whose images are all JPEGs it
+    can decode gets no pixels: its tensors hold the images' DeferredJpegs instead (app.engine.jpegs_on_device).
     """
     if not messages or messages[-1]["role"] != "user":
         raise UserError(MSG_EMPTY_REQUEST)
@@ -216,7 +219,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
     media_start = next((start for start in turn_starts if _media_fit(messages[start:])), turn_starts[-1])
     for start in turn_starts[turn_starts.index(media_start):]:
-        prepared = _prepare(processor, system + messages[start:], settings, images)
+        prepared = _prepare(processor, system + messages[start:], settings, images, jpegs_on_device)
         needed = prepared.prompt_tokens + settings.max_new_tokens
         if needed <= max_context_tokens:
             left_out = start - len(system)
@@ -280,7 +283,22 @@ def _video_kwargs(video, settings: GenerationSettings) -> dict:
     }
 
 
-def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict) -> PreparedInputs:
+def _loaded_images(paths: list[str], images: dict, jpegs_on_device: bool) -> list:
+    """Each image's pixels (cached in `images` by path across trimming attempts), or, when the engine
+    decodes JPEGs itself and every image is one it can (app.media.images.jpeg_for_the_device), each one's
+    (height, width) alone."""
+    for path in paths:
+        if path not in images:
+            images[path] = (jpegs_on_device and jpeg_for_the_device(path)) or load_image_pixels(path)
+    if not all(isinstance(images[path], tuple) for path in paths):
+        for path in paths:
+            if isinstance(images[path], tuple):
+                images[path] = load_image_pixels(path)
+    return [images[path] for path in paths]
+
+
+def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict,
+             jpegs_on_device: bool) -> PreparedInputs:
     image_paths = _media_paths(messages, "image")
     video_paths = _media_paths(messages, "video")
     if not _media_fit(messages):
@@ -288,19 +306,17 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
             raise UserError(MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
         raise UserError(MSG_ONE_VIDEO)
 
-    for path in image_paths:
-        if path not in images:
-            images[path] = load_image_pixels(path)
-    loaded = [images[path] for path in image_paths]
+    loaded = _loaded_images(image_paths, images, jpegs_on_device and defers_jpegs(processor))
+    deferred = bool(loaded) and isinstance(loaded[0], tuple)  # sizes alone: the engine decodes them (D43)
     notices = []
     processor_kwargs = {}
     plan = None
     if loaded:
-        plan = plan_slices(processor.image_processor, [tuple(pixels.shape[1:]) for pixels in loaded],
+        plan = plan_slices(processor.image_processor, loaded if deferred else [tuple(pixels.shape[1:]) for pixels in loaded],
                            settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
         if plan.notice():
             notices.append(plan.notice())
-        processor_kwargs["images"] = [loaded]
+        processor_kwargs["images"] = [stand_in_images(len(loaded)) if deferred else loaded]
         processor_kwargs["images_kwargs"] = {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode,
                                              "input_data_format": "channels_first"}  # a 3-pixel side reads as channels
     video = None
@@ -315,8 +331,12 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     prompt = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False, **thinking)
     text_safe = copy.copy(processor)  # the processor's other parts are shared, not copied
     text_safe.tokenizer = TextPartsAsText(processor.tokenizer, texts, mark)
+    if deferred:
+        text_safe.image_processor = PlannedSlices(processor.image_processor, plan.images)
     tensors = dict(text_safe(text=[prompt], return_tensors="pt", **processor_kwargs))
-    if loaded and not tensors["pixel_values"].is_floating_point():
+    if deferred:
+        tensors[DEFERRED_JPEGS] = DeferredJpegs(tuple(image_paths), plan.images, processor.image_processor.patch_size)
+    if loaded and (deferred or not tensors["pixel_values"].is_floating_point()):
         tensors["pixel_normalization"] = processor.pixel_normalization
     input_ids = tensors["input_ids"][0]
     tokenizer = processor.tokenizer

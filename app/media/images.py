@@ -73,6 +73,30 @@ def load_image_pixels(path: str):
     return pil_to_tensor(load_image(path))
 
 
+# What the engine's GPU decoder (app.model.jpegs, nvJPEG) decodes as load_image_pixels does: the JPEGs whose
+# three components are YCbCr (no Adobe marker saying RGB or YCCK, no components named R, G, B: libjpeg reads
+# those as RGB), that need no EXIF turn or flip, and that end where a JPEG ends (a truncated one is refused
+# on the CPU; nvJPEG might fill in what is missing). docs/DECISIONS.md D43.
+_RGB_COMPONENT_IDS = (ord("R"), ord("G"), ord("B"))
+_JPEG_END = b"\xff\xd9"
+
+
+def jpeg_for_the_device(path: str) -> tuple[int, int] | None:
+    """(height, width) of a JPEG that the engine may decode on its GPU (see above), from its header and its
+    last bytes; None for any other image. Refuses what check_image refuses."""
+    with _opened(path) as image:
+        if image.format != "JPEG" or image.mode != "RGB" or image.info.get("adobe_transform", 1) != 1:
+            return None
+        if tuple(layer[0] for layer in getattr(image, "layer", ())) == _RGB_COMPONENT_IDS:
+            return None
+        if image.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9):
+            return None
+        size = (image.height, image.width)
+    with open(path, "rb") as file:
+        file.seek(-len(_JPEG_END), os.SEEK_END)
+        return size if file.read() == _JPEG_END else None
+
+
 def check_shape(name: str, width: int, height: int) -> None:
     """Refuse an image (or a video's frames) whose long side is more than MAX_IMAGE_ASPECT_RATIO times its short one."""
     if max(width, height) > limits.MAX_IMAGE_ASPECT_RATIO * max(1, min(width, height)):
@@ -109,6 +133,13 @@ def _tensor_decoder():
         from torchvision.io import ImageReadMode, decode_image, read_file
     except ImportError:
         return None
+    quiet_torchvision_decoding()
+    return lambda path: decode_image(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)
+
+
+@functools.cache
+def quiet_torchvision_decoding() -> None:
+    """torchvision 0.29 warns at every decode that its decoders are deprecated (for TorchCodec's): silenced
+    once for the process."""
     warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
                             category=DeprecationWarning)
-    return lambda path: decode_image(read_file(path), mode=ImageReadMode.RGB, apply_exif_orientation=True)

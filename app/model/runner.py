@@ -28,6 +28,8 @@ from app.model.streams import MediaEncoding, NoStaging, OneStream, PixelStaging,
 from app.model.batch_cache import SlotStore
 from app.model.sampling import Choice, choose
 from app.engine.inputs import PIXEL_KEYS, normalized_pixels
+from app.engine.jpegs_on_device import DEFERRED_JPEGS
+from app.model.jpegs import jpegs_for
 from app.model.transfers import on_device
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class BatchRunner:
         self.steps = (DecodeGraphs if captured else EagerDecode)(self.store, self.text.decode_step)
         self.vision = vision_backend_for(model)
         self.staging = PixelStaging(self.device) if captured and on_cuda else NoStaging()
+        self.jpegs = jpegs_for(self.device, captured and on_cuda and bool(tuning.JPEG_ON_DEVICE))
         self.streams = SideStreams(self.device) if captured and on_cuda and tuning.MEDIA_ALONGSIDE_DECODING else OneStream()
         self.pixel_dtype = model.model.vision_tower.dtype
         self._normalizations: dict[tuple, torch.Tensor] = {}  # pixel normalization on the device
@@ -73,7 +76,14 @@ class BatchRunner:
         so that its prefill wave finds them there. Copied in the wave, from pageable memory (the
         pixels come from the preparing workers through shared memory), each copy held up the GPU and
         the scheduler's thread: 25 ms of a 32-image wave's 404 on an H200. At most
-        tuning.STAGED_PIXELS_MB wait on the GPU at once; others are copied in their wave."""
+        tuning.STAGED_PIXELS_MB wait on the GPU at once; others are copied in their wave.
+
+        A request whose JPEGs its preparer left to the engine (where self.jpegs.enabled) gets its pixels
+        made here, decoded, resized and sliced on the GPU (app.model.jpegs), so that a JPEG that cannot be
+        decoded fails its own request before it joins the line."""
+        deferred = tensors.pop(DEFERRED_JPEGS, None)
+        if deferred is not None:
+            tensors["pixel_values"] = self.jpegs.pixels(deferred, self.staging)
         for key in PIXEL_KEYS:
             pixels = tensors.get(key)
             if isinstance(pixels, torch.Tensor) and not pixels.is_cuda:

@@ -73,18 +73,47 @@ class PixelStaging:
         self.limit = tuning.STAGED_PIXELS_MB * 2**20
         self.staged = 0
         self._lock = threading.Lock()
+        self._building = threading.Lock()  # make(): one build at a time
 
     def stage(self, pixels: torch.Tensor) -> StagedPixels | None:
-        size = pixels.numel() * pixels.element_size()
-        with self._lock:
-            if self.staged + size > self.limit:
-                return None
-            self.staged += size
+        release = self._reserved(pixels.numel() * pixels.element_size())
+        if release is None:
+            return None
         with torch.cuda.stream(self.stream):
             tensor = pixels.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.stream)
-        return StagedPixels(tensor, copied, functools.partial(self._release, size))
+        return StagedPixels(tensor, copied, release)
+
+    def make(self, size: int, build: Callable[[], torch.Tensor]) -> StagedPixels | None:
+        """Pixels of `size` bytes that `build()` makes on the GPU (app.model.jpegs), on the staging stream,
+        held as staged pixels; None when they would pass the limit.
+
+        nvJPEG (torchvision's decoder) writes its output from a stream of its own, into memory the
+        allocator handed out on this one, with no wait for what this stream still has to run there
+        (pytorch/vision#9606): memory freed by an earlier build, whose kernels may still be queued. So each
+        build starts once the stream has run everything before it, one build at a time."""
+        release = self._reserved(size)
+        if release is None:
+            return None
+        try:
+            with self._building, torch.cuda.stream(self.stream):
+                self.stream.synchronize()
+                tensor = build()
+                made = torch.cuda.Event()
+                made.record(self.stream)
+        except BaseException:
+            release()
+            raise
+        return StagedPixels(tensor, made, release)
+
+    def _reserved(self, size: int) -> Callable[[], None] | None:
+        """Room for `size` more bytes, and what gives it back; None when they would pass the limit."""
+        with self._lock:
+            if self.staged + size > self.limit:
+                return None
+            self.staged += size
+        return functools.partial(self._release, size)
 
     def _release(self, size: int) -> None:
         with self._lock:
@@ -95,6 +124,9 @@ class NoStaging:
     """PixelStaging's interface where pixels are not staged: they are copied in their wave."""
 
     def stage(self, pixels: torch.Tensor) -> None:
+        return None
+
+    def make(self, size: int, build: Callable[[], torch.Tensor]) -> None:
         return None
 
 
