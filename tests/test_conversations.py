@@ -199,3 +199,27 @@ def test_the_padded_continued_prefill_matches_the_packed_one(manager):
         for layer, keys in expected.keys.items():
             torch.testing.assert_close(store.keys[layer][slot + 2, :, :keys.shape[1]], keys)
     runner.release()
+
+
+def test_a_kept_conversation_drops_its_images_pixels_or_jpegs(manager, tmp_path):
+    """Whether its images come as pixels or as JPEGs the engine decodes on its GPU, a follow-up keeps only
+    what comes after the kept part: the later image's pixels (or JPEG) and slice sizes."""
+    from app.engine.conversations import without_media_before
+    from app.engine.inputs import prepare_inputs
+    from app.engine.jpegs_on_device import DEFERRED_JPEGS
+
+    first, second = make_image(tmp_path, "a.jpg", (700, 500)), make_image(tmp_path, "b.jpg", (300, 200), (9, 9, 200))
+    messages = [{"role": "user", "content": [{"type": "image", "path": first}, text("What?")]},
+                {"role": "assistant", "content": [text("A red field.")]},
+                {"role": "user", "content": [{"type": "image", "path": second}, text("And this?")]}]
+    alone = prepare_inputs(manager.processor, messages[2:], GREEDY, 32768)
+    for on_device in (False, True):
+        prepared = prepare_inputs(manager.processor, messages, GREEDY, 32768, jpegs_on_device=on_device)
+        kept = prepared.turn_starts[-2]  # where the second question's turn starts: after the first image
+        assert prepared.media_ends[0] <= kept < prepared.media_ends[1]
+        without_media_before(prepared, kept)
+        assert prepared.tensors["target_sizes"].tolist() == alone.tensors["target_sizes"].tolist()
+        if on_device:
+            assert prepared.tensors[DEFERRED_JPEGS].paths == (second,)
+        else:
+            assert prepared.tensors["pixel_values"].equal(alone.tensors["pixel_values"])

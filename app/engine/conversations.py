@@ -19,11 +19,17 @@ only if it repeats that conversation token for token, with the same media files 
 """
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from app.engine.jpegs_on_device import DEFERRED_JPEGS, DeferredJpegs
+from app.engine.settings import GenerationSettings
+
 log = logging.getLogger(__name__)
+
+TURN_START = "<|im_start|>"  # where a turn of the chat template (ChatML, as MiniCPM-V's) begins
 
 
 @dataclass(eq=False)
@@ -153,3 +159,60 @@ def _turn(request) -> int:
 
 def _ids(request, start: int, end: int | None):
     return request.prepared.tensors["input_ids"][:, start:end]
+
+
+def mark_turns_and_media(prepared, tokenizer, input_ids, image_paths: list[str], plan,
+                          video_paths: list[str], settings: GenerationSettings) -> None:
+    """Fill in what a kept conversation is matched by (PreparedInputs.turn_starts and the media's), for a
+    prompt whose images' tokens lie where `plan` says."""
+    turn_start = tokenizer.convert_tokens_to_ids(TURN_START)
+    if turn_start is None or turn_start == tokenizer.unk_token_id:
+        return
+    prepared.turn_starts = tuple((input_ids == turn_start).nonzero()[:, 0].tolist())
+    ends, keys = [], []
+    if image_paths:
+        placeholders = (input_ids == tokenizer.image_token_id).nonzero()[:, 0].tolist()
+        last = 0
+        for path, image in zip(image_paths, plan.images):
+            last += image.tokens
+            ends.append(placeholders[last - 1] + 1)
+            keys.append(f"{_file_identity(path)}|{settings.downsample_mode}|{plan.max_slice_nums}")
+        prepared.image_views = tuple(1 + image.slice_count for image in plan.images)
+    if video_paths and prepared.video_tokens:
+        ends.append(int((input_ids == tokenizer.video_token_id).nonzero()[-1, 0]) + 1)
+        keys.append(f"{_file_identity(video_paths[0])}|{settings.downsample_mode}|{settings.video_fps}|"
+                    f"{settings.video_max_frames}|{settings.video_slices_per_frame}")
+    prepared.media_keys, prepared.media_ends = tuple(keys), tuple(ends)
+
+
+def _file_identity(path: str) -> str:
+    """A media file's identity: uploads are written once and never changed (a new upload is a new file, in
+    a folder of its own), and the API's are named by a hash of their bytes (app.web.data_urls), which touches
+    them when they come again: their times are not part of it."""
+    status = os.stat(path)
+    return f"{os.path.realpath(path)}|{status.st_ino}|{status.st_size}"
+
+
+def without_media_before(prepared, position: int) -> None:
+    """Drop the pixels (or the JPEGs left to the engine) of the media whose placeholders all lie before
+    `position`: a kept conversation holds them, so only the rest is encoded."""
+    tensors = prepared.tensors
+    kept = sum(end <= position for end in prepared.media_ends)
+    if not kept:
+        return
+    if tensors.get("pixel_values_videos") is not None:
+        tensors["pixel_values_videos"] = None
+        return
+    views = sum(prepared.image_views[:kept])
+    sizes = tensors["target_sizes"]
+    deferred = tensors.get(DEFERRED_JPEGS)
+    if deferred is not None:
+        rest = DeferredJpegs(deferred.paths[kept:], deferred.slicings[kept:], deferred.patch_size)
+        tensors[DEFERRED_JPEGS] = rest if rest.paths else None
+    elif views >= len(sizes):
+        tensors["pixel_values"] = None
+    else:
+        patch = tensors["pixel_values"].shape[2]
+        width = int((sizes[:views, 0] * sizes[:views, 1]).sum()) * patch
+        tensors["pixel_values"] = tensors["pixel_values"][..., width:]
+    tensors["target_sizes"] = sizes[views:]

@@ -18,8 +18,8 @@ from typing import Callable, Iterator
 from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.engine.conversations import ConversationCache
-from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default, without_media_before
+from app.engine.conversations import ConversationCache, without_media_before
+from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
 from app.engine.replies import follow_reply, prepared_summary
