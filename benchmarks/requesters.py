@@ -106,7 +106,7 @@ def http_request(client, url: str, body: bytes, abort: threading.Event) -> tuple
 class StreamedBodies:
     """openai-http mode's bodies: the JSON of the messages made once, with a mark where the last turn's text
     goes, so that no request encodes the media's base64 again. For one user's requests (a follow-up's opening
-    and media are the same in each: UserRequests), or every user's where all send the same request."""
+    and media are the same in each: UserRequests), or every user's where all send the same media."""
 
     MARK = "@@the-question@@"
 
@@ -172,7 +172,7 @@ def openai_requesters(base_url: str, model: str, plain_http: bool, workload, set
                                             http_client=httpx.Client(limits=limits, timeout=600))
     url = base_url + "/chat/completions"
     fields = api_fields(model, settings, workload)
-    shared = StreamedBodies(fields)  # the users of a single-turn workload all send the same body
+    shared = StreamedBodies(fields)  # the users of a single-turn workload share its media, each request its own words
 
     def make_requester(user):
         requests = UserRequests(workload, user)

@@ -39,11 +39,13 @@ class Workload:
         """A follow-up's first user turn: the image and this user's own first question."""
         return user_turn(self.media, f"User {user}: {QUESTION}")
 
-    def timed_turn(self, request: int) -> dict:
-        """The last user turn of a timed request, the `request`-th of its user."""
+    def timed_turn(self, user: int, request: int) -> dict:
+        """The last user turn of a timed request, the `request`-th of `user`. Every request's words are its own,
+        so that none repeats another's whole prompt, which the engine's conversation cache would answer from
+        what it kept (app.engine.conversations) as it would a Retry."""
         if self.follow_up:
             return user_turn(None, f"{FOLLOW_UP_QUESTION} (question {request})")
-        return user_turn(self.media, self.question)
+        return user_turn(self.media, f"{self.question} (request {user}.{request})")
 
 
 def make_workload(name: str, image_format: str | None = None) -> Workload:
@@ -122,7 +124,7 @@ class UserRequests:
 
     def next_messages(self) -> list[dict]:
         self.sent += 1
-        return self.opening + [self.workload.timed_turn(self.sent)]
+        return self.opening + [self.workload.timed_turn(self.user, self.sent)]
 
 
 def engine_reply(manager, messages: list[dict], settings) -> tuple[str, dict]:
