@@ -8,6 +8,7 @@ from the CPU path's (docs/DECISIONS.md D42). Random weights at the real MiniCPM-
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -18,7 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.photo import write_photo  # noqa: E402
-from benchmarks.real_shape import DEFAULT_FOLDER, QUESTION, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, QUESTION, asked_anew, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 
 
@@ -116,24 +117,26 @@ def lone_requests(model: str, on_device: int, paths: dict[str, str], runs: int, 
     engine.warm_up()
     result = {"load_and_warm_up_s": round(time.perf_counter() - started, 1)}
     settings = GenerationSettings(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    numbers = itertools.count()
     for name in ("photo_jpeg", "noise_png"):
         for _ in range(3):  # the first of each kind meets new shapes and, on the GPU path, nvJPEG's first batch
-            reply(engine, paths[name], settings)
+            reply(engine, paths[name], settings, next(numbers))
         engine.metrics.reset()
-        stats = [reply(engine, paths[name], settings) for _ in range(runs)]
+        stats = [reply(engine, paths[name], settings, next(numbers)) for _ in range(runs)]
         result[name] = summary(stats, engine.metrics.snapshot())
     try:
-        reply(engine, paths["corrupt_jpeg"], settings)
+        reply(engine, paths["corrupt_jpeg"], settings, next(numbers))
         result["corrupt_jpeg"] = "answered"
     except Exception as error:  # the app's message for an unreadable image, or what went wrong
         result["corrupt_jpeg"] = f"refused: {error}"
-    result["after_the_corrupt_jpeg"] = "answered" if reply(engine, paths["photo_jpeg"], settings) else "failed"
+    result["after_the_corrupt_jpeg"] = "answered" if reply(engine, paths["photo_jpeg"], settings, next(numbers)) else "failed"
     engine.close()
     return result
 
 
-def reply(engine, path: str, settings) -> dict:
-    for update in engine.stream(question(path), settings):
+def reply(engine, path: str, settings, number: int) -> dict:
+    """Request `number`'s stats: each a first question of its own (asked_anew)."""
+    for update in engine.stream(asked_anew(question(path), number), settings):
         pass
     return update.stats
 

@@ -34,3 +34,12 @@ def benchmark_request(image_format: str = "png") -> tuple[str, list[dict]]:
     image = os.path.join(tempfile.gettempdir(), f"benchmark-1344.{image_format}")
     Image.effect_noise((1344, 1344), 64).convert("RGB").save(image, **({"quality": 90} if image_format == "jpeg" else {}))
     return image, [{"role": "user", "content": [{"type": "image", "path": image}, {"type": "text", "text": QUESTION}]}]
+
+
+def asked_anew(messages: list[dict], number: int) -> list[dict]:
+    """`messages` with the last question numbered: a first question asked again word for word would be answered
+    from the conversation the engine kept of it (app.engine.conversations), as a Retry is, not as a first turn."""
+    *earlier, last = messages
+    content = [dict(part, text=f"{part['text']} (request {number})") if part["type"] == "text" else part
+               for part in last["content"]]
+    return [*earlier, {**last, "content": content}]

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import AppConfig  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
-from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import DEFAULT_FOLDER, asked_anew, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 
 
@@ -66,8 +66,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     runs = []
     syncs = waits_for_the_gpu() if args.count_syncs and cuda else None
-    for _ in range(args.runs):
-        for update in manager.stream(messages, settings):
+    for run in range(args.runs):
+        for update in manager.stream(asked_anew(messages, run), settings):
             pass
         runs.append(update.stats)
     if syncs is not None:
