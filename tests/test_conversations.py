@@ -223,3 +223,33 @@ def test_a_kept_conversation_drops_its_images_pixels_or_jpegs(manager, tmp_path)
             assert prepared.tensors[DEFERRED_JPEGS].paths == (second,)
         else:
             assert prepared.tensors["pixel_values"].equal(alone.tensors["pixel_values"])
+
+
+def test_a_follow_up_decodes_none_of_the_images_its_conversation_holds(manager, cache, tmp_path, monkeypatch):
+    from app.engine import inputs
+
+    decoded = []
+    load = inputs.load_image_pixels
+    monkeypatch.setattr(inputs, "load_image_pixels", lambda path: decoded.append(path) or load(path))
+    photo, other = make_image(tmp_path, "photo.png", (900, 700)), make_image(tmp_path, "other.png", (500, 400), (1, 2, 3))
+    turns = same_with_and_without(manager, cache, [{"type": "image", "path": photo}, text("What is it?")],
+                                  [[text("And the colour?")], [{"type": "image", "path": other}, text("And this?")]])
+    assert turns[1][2] > 0 and turns[2][2] > turns[1][2]
+    # With the cache: once for its first turn, not for the text follow-up, and again with a new image beside it
+    # (a request decodes all its images or none); without: every turn.
+    assert decoded.count(photo) == 2 + 3 and decoded.count(other) == 1 + 1
+
+
+def test_a_conversation_let_go_while_its_follow_up_is_prepared_is_prepared_again_with_its_pixels(manager, cache, tmp_path):
+    photo = make_image(tmp_path, "photo.png", (900, 700))
+    first = [{"type": "image", "path": photo}, text("What is it?")]
+    kept = cache(2**30)
+    answer = conversation(manager, first, [])[0][0]
+    follow_up = [{"role": "user", "content": first}, {"role": "assistant", "content": [text(answer)]},
+                 {"role": "user", "content": [text("More?")]}]
+    kept.find = lambda prepared: None  # held when the preparer was told, gone when it is looked for
+    prepared = manager.prepare(follow_up, GREEDY)
+    assert not prepared.pixels_left_out and prepared.tensors["pixel_values"] is not None and prepared.kept is None
+    update = reply(manager, follow_up)
+    cache(0)
+    assert update.text == reply(manager, follow_up).text and update.stats["reused_prompt_tokens"] == 0

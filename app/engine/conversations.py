@@ -21,7 +21,7 @@ only if it repeats that conversation token for token, with the same media files 
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from app.engine.jpegs_on_device import DEFERRED_JPEGS, DeferredJpegs
@@ -49,6 +49,7 @@ class ConversationCache:
         self.capacity_bytes = capacity_bytes
         self._kept: OrderedDict[tuple, KeptConversation] = OrderedDict()
         self._held = 0
+        self._media = Counter()  # the media keys of the kept conversations, each with how many hold it
         self._lock = threading.Lock()
 
     @property
@@ -61,6 +62,12 @@ class ConversationCache:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def held_media(self) -> frozenset:
+        """The keys of the media some kept conversation holds: a preparer need not decode an image of these
+        (app.engine.inputs.prepare_inputs), if the conversation is still kept when it is found."""
+        with self._lock:
+            return frozenset(self._media)
 
     def find(self, prepared) -> KeptConversation | None:
         """The longest kept conversation `prepared` (app.engine.inputs.PreparedInputs) goes on from, or None.
@@ -86,18 +93,24 @@ class ConversationCache:
         with self._lock:
             old = self._kept.pop(kept.key, None)
             if old is not None:
-                self._held -= old.state.nbytes
+                self._let_go(old)
             self._kept[kept.key] = kept
             self._held += nbytes
+            self._media.update(kept.key[1])
             while self._held > self.capacity_bytes:
-                _, evicted = self._kept.popitem(last=False)
-                self._held -= evicted.state.nbytes
+                self._let_go(self._kept.popitem(last=False)[1])
+
+    def _let_go(self, kept: KeptConversation) -> None:
+        self._held -= kept.state.nbytes
+        self._media.subtract(kept.key[1])
+        self._media = +self._media  # without the keys no conversation holds any more
 
     def clear(self) -> None:
         """Let every kept state go (its model is being unloaded)."""
         with self._lock:
             self._kept.clear()
             self._held = 0
+            self._media.clear()
 
 
 def _token_bytes(prepared) -> bytes:
@@ -176,7 +189,7 @@ def mark_turns_and_media(prepared, tokenizer, input_ids, image_paths: list[str],
         for path, image in zip(image_paths, plan.images):
             last += image.tokens
             ends.append(placeholders[last - 1] + 1)
-            keys.append(f"{_file_identity(path)}|{settings.downsample_mode}|{plan.max_slice_nums}")
+            keys.append(image_key(path, settings.downsample_mode, plan.max_slice_nums))
         prepared.image_views = tuple(1 + image.slice_count for image in plan.images)
     if video_paths and prepared.video_tokens:
         ends.append(int((input_ids == tokenizer.video_token_id).nonzero()[-1, 0]) + 1)
@@ -185,12 +198,24 @@ def mark_turns_and_media(prepared, tokenizer, input_ids, image_paths: list[str],
     prepared.media_keys, prepared.media_ends = tuple(keys), tuple(ends)
 
 
+def image_key(path: str, downsample_mode: str, max_slice_nums: int) -> str:
+    """An image's identity in a kept conversation: its file's, and how it was cut and encoded."""
+    return f"{_file_identity(path)}|{downsample_mode}|{max_slice_nums}"
+
+
 def _file_identity(path: str) -> str:
     """A media file's identity: uploads are written once and never changed (a new upload is a new file, in
     a folder of its own), and the API's are named by a hash of their bytes (app.web.data_urls), which touches
     them when they come again: their times are not part of it."""
     status = os.stat(path)
     return f"{os.path.realpath(path)}|{status.st_ino}|{status.st_size}"
+
+
+def holds_every_image(prepared) -> bool:
+    """Whether the kept conversation `prepared` goes on from holds all its images (else those left out of its
+    preparation, pixels_left_out, must be prepared after all)."""
+    images = len(prepared.image_views)
+    return prepared.kept is not None and all(end <= prepared.kept.length for end in prepared.media_ends[:images])
 
 
 def without_media_before(prepared, position: int) -> None:

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.engine.conversations import ConversationCache, without_media_before
+from app.engine.conversations import ConversationCache, holds_every_image, without_media_before
 from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
@@ -285,20 +285,29 @@ class ModelManager:
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
         self._wait_until_ready()
         asked = time.perf_counter()
-        runner = self.runner  # None while a model is switched in
-        # Where the engine makes JPEGs' pixels on its GPU, the preparer leaves them to runner.stage_media.
-        prepared = self.preparer.prepare(messages, settings, self.max_context_tokens,
-                                         jpegs_on_device=runner is not None and runner.jpegs.enabled)
+        conversations = self.scheduler.conversations
+        prepared = self._prepared(messages, settings, conversations.held_media())
+        if prepared.pixels_left_out and not holds_every_image(prepared):  # let go meanwhile: rare
+            prepared = self._prepared(messages, settings, frozenset())
         prepared.timeline["asked"] = asked
+        if prepared.kept is not None:  # its earlier media are in the kept state: not encoded again
+            without_media_before(prepared, prepared.kept.length)
+        runner = self.runner
+        if runner is not None:  # None while a model is switched: the request is prepared again for the next
+            runner.stage_media(prepared.tensors)
+        return prepared
+
+    def _prepared(self, messages: list[dict], settings: GenerationSettings, kept_media: frozenset) -> PreparedInputs:
+        """The preparer's inputs, with the kept conversation they go on from (if any). Where the engine makes
+        JPEGs' pixels on its GPU, the preparer leaves them to runner.stage_media; images that kept
+        conversations hold (`kept_media`) it does not decode."""
+        runner = self.runner  # None while a model is switched in
+        prepared = self.preparer.prepare(messages, settings, self.max_context_tokens,
+                                         jpegs_on_device=runner is not None and runner.jpegs.enabled, kept_media=kept_media)
         # Also CPU work on the prompt, so done here rather than on the thread that drives the GPU.
         prepared.canvas = canvas_positions(self.model, prepared.tensors, settings.downsample_mode)
         if prepared.canvas is None:
             prepared.kept = self.scheduler.conversations.find(prepared)
-            if prepared.kept is not None:  # its earlier media are in the kept state: not encoded again
-                without_media_before(prepared, prepared.kept.length)
-        runner = self.runner
-        if runner is not None:  # None while a model is switched: the request is prepared again for the next
-            runner.stage_media(prepared.tensors)
         return prepared
 
     def start(self, messages: list[dict], settings: GenerationSettings, emit: Callable[[str, object], None],

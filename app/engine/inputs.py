@@ -16,13 +16,13 @@ from app.messages import (
     MSG_TOO_MANY_IMAGES,
 )
 from app.chat import THINK_OPEN
-from app.engine.conversations import mark_turns_and_media
+from app.engine.conversations import image_key, mark_turns_and_media
 from app.engine.prompt_text import TextPartsAsText, with_placeholders
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
 from app.engine.jpegs_on_device import DEFERRED_JPEGS, DeferredJpegs, PlannedSlices, defers_jpegs, stand_in_images
-from app.media.images import jpeg_for_the_device, load_image_pixels
+from app.media.images import image_size, jpeg_for_the_device, load_image_pixels
 from app.media.video import sample_video
 
 
@@ -47,6 +47,7 @@ class PreparedInputs:
     media_ends: tuple[int, ...] = ()
     image_views: tuple[int, ...] = ()
     kept: object = None  # the kept conversation this prompt goes on from (set by the engine)
+    pixels_left_out: bool = False  # its images were not decoded: kept conversations hold them all
 
     @property
     def visual_tokens(self) -> int:
@@ -197,7 +198,7 @@ def _video_patches(videos, patch_size: int):
 
 
 def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
-                   pixel_dtype=None, jpegs_on_device: bool = False) -> PreparedInputs:
+                   pixel_dtype=None, jpegs_on_device: bool = False, kept_media: frozenset = frozenset()) -> PreparedInputs:
     """Model inputs for the conversation; the oldest turns are left out (with a notice) when it holds more
     media than one request may (the latest turn alone still must fit), then while it outgrows the context.
     A system message (first, if any) is always kept.
@@ -207,6 +208,8 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     MB for one 1344x1344 image). The app's processor leaves images in uint8 (_leave_images_unnormalized).
     With `jpegs_on_device` (the engine decodes JPEGs on its GPU), a request whose images are all JPEGs it
     can decode gets no pixels: its tensors hold the images' DeferredJpegs instead (app.engine.jpegs_on_device).
+    A request whose every image a kept conversation holds (their keys in `kept_media`: a follow-up) gets none
+    either, and says so (pixels_left_out): the engine encodes none of them (app.engine.conversations).
     """
     if not messages or messages[-1]["role"] != "user":
         raise UserError(MSG_EMPTY_REQUEST)
@@ -216,7 +219,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
     media_start = next((start for start in turn_starts if _media_fit(messages[start:])), turn_starts[-1])
     for start in turn_starts[turn_starts.index(media_start):]:
-        prepared = _prepare(processor, system + messages[start:], settings, images, jpegs_on_device)
+        prepared = _prepare(processor, system + messages[start:], settings, images, jpegs_on_device, kept_media)
         needed = prepared.prompt_tokens + settings.max_new_tokens
         if needed <= max_context_tokens:
             left_out = start - len(system)
@@ -294,8 +297,33 @@ def _loaded_images(paths: list[str], images: dict, jpegs_on_device: bool) -> lis
     return [images[path] for path in paths]
 
 
+def _held_by_kept_conversations(processor, paths: list[str], settings: GenerationSettings,
+                                kept_media: frozenset) -> list[tuple[int, int]] | None:
+    """The images' (height, width) from their headers if kept conversations hold every one (their keys in
+    `kept_media`), else None."""
+    if not paths or not kept_media:
+        return None
+    sizes = [image_size(path) for path in paths]
+    plan = plan_slices(processor.image_processor, sizes, settings.max_slice_nums, settings.downsample_mode,
+                       settings.visual_token_budget)
+    held = all(image_key(path, settings.downsample_mode, plan.max_slice_nums) in kept_media for path in paths)
+    return sizes if held else None
+
+
+def _image_plan_and_arguments(processor, loaded: list, sizes_only: bool, settings: GenerationSettings):
+    """(the slice plan, the processor's image arguments) for the request's images: pixels, or (height, width)
+    pairs where no pixels are made here (`sizes_only`)."""
+    if not loaded:
+        return None, {}
+    plan = plan_slices(processor.image_processor, loaded if sizes_only else [tuple(pixels.shape[1:]) for pixels in loaded],
+                       settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
+    return plan, {"images": [stand_in_images(len(loaded)) if sizes_only else loaded],
+                  "images_kwargs": {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode,
+                                    "input_data_format": "channels_first"}}  # a 3-pixel side reads as channels
+
+
 def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict,
-             jpegs_on_device: bool) -> PreparedInputs:
+             jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
     image_paths = _media_paths(messages, "image")
     video_paths = _media_paths(messages, "video")
     if not _media_fit(messages):
@@ -303,19 +331,12 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
             raise UserError(MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
         raise UserError(MSG_ONE_VIDEO)
 
-    loaded = _loaded_images(image_paths, images, jpegs_on_device and defers_jpegs(processor))
-    deferred = bool(loaded) and isinstance(loaded[0], tuple)  # sizes alone: the engine decodes them (D43)
-    notices = []
-    processor_kwargs = {}
-    plan = None
-    if loaded:
-        plan = plan_slices(processor.image_processor, loaded if deferred else [tuple(pixels.shape[1:]) for pixels in loaded],
-                           settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
-        if plan.notice():
-            notices.append(plan.notice())
-        processor_kwargs["images"] = [stand_in_images(len(loaded)) if deferred else loaded]
-        processor_kwargs["images_kwargs"] = {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode,
-                                             "input_data_format": "channels_first"}  # a 3-pixel side reads as channels
+    left_out = _held_by_kept_conversations(processor, image_paths, settings, kept_media)
+    loaded = left_out or _loaded_images(image_paths, images, jpegs_on_device and defers_jpegs(processor))
+    sizes_only = bool(loaded) and isinstance(loaded[0], tuple)
+    deferred = sizes_only and not left_out  # sizes alone: the engine decodes them (D43)
+    plan, processor_kwargs = _image_plan_and_arguments(processor, loaded, sizes_only, settings)
+    notices = [plan.notice()] if plan is not None and plan.notice() else []
     video = None
     if video_paths:
         video = sample_video(video_paths[0], settings.video_fps, settings.video_max_frames)
@@ -328,12 +349,12 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     prompt = processor.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False, **thinking)
     text_safe = copy.copy(processor)  # the processor's other parts are shared, not copied
     text_safe.tokenizer = TextPartsAsText(processor.tokenizer, texts, mark)
-    if deferred:
+    if sizes_only:
         text_safe.image_processor = PlannedSlices(processor.image_processor, plan.images)
     tensors = dict(text_safe(text=[prompt], return_tensors="pt", **processor_kwargs))
     if deferred:
         tensors[DEFERRED_JPEGS] = DeferredJpegs(tuple(image_paths), plan.images, processor.image_processor.patch_size)
-    if loaded and (deferred or not tensors["pixel_values"].is_floating_point()):
+    if loaded and (sizes_only or not tensors["pixel_values"].is_floating_point()):
         tensors["pixel_normalization"] = processor.pixel_normalization
     input_ids = tensors["input_ids"][0]
     tokenizer = processor.tokenizer
@@ -350,6 +371,7 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
         video_frames=len(video.frame_indices) if video else 0,
         notices=notices,
         opens_thinking=prompt.rstrip().endswith(THINK_OPEN),
+        pixels_left_out=bool(left_out),
     )
     if plan is None or counted == plan.total_tokens:  # else where each image's tokens lie is not known
         mark_turns_and_media(prepared, tokenizer, input_ids, image_paths, plan, video_paths, settings)

@@ -46,11 +46,11 @@ class ThreadPreparer:
         self._slots = threading.BoundedSemaphore(tuning.PREPARE_CONCURRENCY)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
-                jpegs_on_device: bool = False) -> PreparedInputs:
+                jpegs_on_device: bool = False, kept_media: frozenset = frozenset()) -> PreparedInputs:
         with self._slots:
             started = time.perf_counter()
             prepared = prepare_inputs(self.processor, messages, settings, max_context_tokens, self.pixel_dtype,
-                                      jpegs_on_device)
+                                      jpegs_on_device, kept_media)
         done = time.perf_counter()
         prepared.timeline.update(work_started=started, work_done=done, received=done)  # no way back here
         return prepared
@@ -86,20 +86,21 @@ class ProcessPreparer:
         log.info("Inputs are prepared in %d worker processes", workers)
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
-                jpegs_on_device: bool = False) -> PreparedInputs:
-        """`jpegs_on_device`: the engine decodes the JPEGs it can itself (app.engine.jpegs_on_device)."""
+                jpegs_on_device: bool = False, kept_media: frozenset = frozenset()) -> PreparedInputs:
+        """`jpegs_on_device`: the engine decodes the JPEGs it can itself (app.engine.jpegs_on_device);
+        `kept_media`: the media kept conversations hold (app.engine.inputs.prepare_inputs)."""
         if self._slots is None:
-            return self._through_a_worker(messages, settings, max_context_tokens, None, jpegs_on_device)
+            return self._through_a_worker(messages, settings, max_context_tokens, None, jpegs_on_device, kept_media)
         slot = self._slots.take()
         try:
-            return self._through_a_worker(messages, settings, max_context_tokens, slot, jpegs_on_device)
+            return self._through_a_worker(messages, settings, max_context_tokens, slot, jpegs_on_device, kept_media)
         finally:
             self._slots.give_back(slot)
 
     def _through_a_worker(self, messages, settings, max_context_tokens, slot: int | None,
-                          jpegs_on_device: bool) -> PreparedInputs:
+                          jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
         prepared = self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype, slot,
-                                     jpegs_on_device).result()
+                                     jpegs_on_device, kept_media).result()
         prepared.tensors = _from_the_way_back(prepared.tensors, self._slots.buffers[slot] if slot is not None else None)
         prepared.timeline["received"] = time.perf_counter()
         return prepared
@@ -176,14 +177,15 @@ def _exit_with_parent() -> None:
 
 
 def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tokens: int, pixel_dtype,
-             slot: int | None, jpegs_on_device: bool) -> PreparedInputs:
+             slot: int | None, jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
     """In a worker: the pixels go back in the request's slot (see PixelSlots), the small tensors (the
     prompt's ids, the slices' sizes...) by value, as numpy arrays. Shared, each of those takes a segment
     of its own and about 1 ms to pass its file descriptor: returning 4 of them took 3.3-6.0 ms against
     0.6-0.8 by value, and a whole preparation through a worker 1-2 ms less at the median (a dev core).
     Pixels that do not fit the slot go back in a segment of their own, as torch sends tensors."""
     started = time.perf_counter()
-    prepared = prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype, jpegs_on_device)
+    prepared = prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype, jpegs_on_device,
+                              kept_media)
     prepared.tensors = _for_the_way_back(prepared.tensors, _slot_buffers[slot] if slot is not None else None)
     prepared.timeline.update(work_started=started, work_done=time.perf_counter())
     return prepared
