@@ -253,3 +253,18 @@ def test_a_conversation_let_go_while_its_follow_up_is_prepared_is_prepared_again
     update = reply(manager, follow_up)
     cache(0)
     assert update.text == reply(manager, follow_up).text and update.stats["reused_prompt_tokens"] == 0
+
+
+def test_no_room_to_keep_a_conversation_leaves_the_reply_as_it_is(manager, cache, tmp_path, monkeypatch):
+    import torch
+
+    def no_room(slot, columns):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
+
+    photo = make_image(tmp_path, "photo.png", (900, 700))
+    first = [{"type": "image", "path": photo}, text("What is it?")]
+    cache(0)
+    whole = conversation(manager, first, [[text("More?")]])
+    kept = cache(2**30)
+    monkeypatch.setattr(manager.runner.store, "snapshot", no_room)
+    assert conversation(manager, first, [[text("More?")]]) == whole and len(kept) == 0

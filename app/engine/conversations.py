@@ -156,7 +156,9 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
                                  [r.prepared.kept.length for r, _ in heads], [slots[id(r)] for r, _ in heads], columns)
     kept = fresh + going_on
     for request, _ in fresh + heads:
-        cache.keep(request.prepared, runner.snapshot(slots[id(request)], _turn(request)))
+        state = runner.snapshot(slots[id(request)], _turn(request))
+        if state is not None:
+            cache.keep(request.prepared, state)
     if kept:
         logits.append(runner.prefill_continued([(_ids(r, _turn(r), None), None) for r, _ in kept],
                                                [_turn(r) for r, _ in kept], [slots[id(r)] for r, _ in kept], columns))

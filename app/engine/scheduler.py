@@ -105,7 +105,9 @@ class Scheduler:
         self._in_flight: LaunchedStep | None = None  # its requests are self._running, in the same order
         self._paused = False
         self._thread: threading.Thread | None = None
-        metrics.gauges.update(queue_depth=lambda: self.waiting, batch_size=lambda: self.running)
+        metrics.gauges.update(queue_depth=lambda: self.waiting, batch_size=lambda: self.running,
+                              kept_conversations=lambda: len(self.conversations),
+                              kept_conversation_bytes=lambda: self.conversations.held_bytes)
 
     # Control -------------------------------------------------------------------------------------
 
@@ -367,8 +369,10 @@ class Scheduler:
                                           "first_token_at": request.first_token_at, "finish_reason": request.finish_reason})
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
-        """Give `error` to each of `requests`, after releasing what an out-of-memory left cached."""
-        self.runner.after_error(error)
+        """Give `error` to each of `requests`, after releasing what an out-of-memory left cached, kept
+        conversations included."""
+        if self.runner.after_error(error):
+            self.conversations.clear()
         for request in requests:
             request.emit(ReplyEvent.ERROR, error)
 

@@ -178,8 +178,13 @@ class BatchRunner:
         return logits
 
     def snapshot(self, slot: int, columns: int):
-        """A copy of slot `slot`'s state after its first `columns` tokens (app.model.batch_cache.StateSnapshot)."""
-        return self.store.snapshot(slot, columns)
+        """A copy of slot `slot`'s state after its first `columns` tokens (app.model.batch_cache.StateSnapshot),
+        or None where the GPU has no room for it: a conversation not kept is only slower to go on."""
+        try:
+            return self.store.snapshot(slot, columns)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return None
 
     def restore(self, snapshot, slot: int, columns: int) -> None:
         """Slot `slot` holds `snapshot`'s tokens, with room for `columns`."""
@@ -266,7 +271,10 @@ class BatchRunner:
         self.text.clear()
 
     @staticmethod
-    def after_error(error: Exception) -> None:
-        """After `error`, if the GPU ran out of memory: what the allocator keeps cached goes back to the card."""
+    def after_error(error: Exception) -> bool:
+        """After `error`, if the GPU ran out of memory: what the allocator keeps cached goes back to the card.
+        Whether it had (the caller lets go of what it keeps on the GPU too)."""
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
+            return True
+        return False
