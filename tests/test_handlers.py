@@ -347,3 +347,13 @@ def test_a_long_reply_reaches_the_page_in_fewer_larger_updates(manager):
     # Every update up to 1,250 characters, then further apart, one a second past 25,000: 62 of 601.
     assert 40 <= len(shown) <= 80, len(shown)
     assert shown[-1][-2]["content"] == "word " * 12000 and shown[-1][-1]["metadata"]["title"]
+
+
+def test_the_stats_say_what_the_conversation_kept():
+    stats = {"tokens_per_s": 50.0, "visual_tokens": 640, "ttft_ms": 18.0, "new_tokens": 8, "prompt_tokens": 798,
+             "image_tokens": [640], "video_frames": 0, "video_tokens": 0, "preprocess_ms": 2.0, "queue_ms": 0.3,
+             "total_ms": 30.0}
+    assert "| Prompt | 798 tokens |\n| Kept from the conversation | 686 tokens, not read again |" in \
+        stats_message({**stats, "reused_prompt_tokens": 686}, [])["content"]
+    assert "Kept" not in stats_message({**stats, "reused_prompt_tokens": 0}, [])["content"]
+    assert "Kept" not in stats_message(stats, [])["content"]  # an external server's

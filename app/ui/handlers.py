@@ -91,6 +91,8 @@ def stats_message(stats: dict, notices: list[str]) -> dict:
     visual = f"{stats['visual_tokens']:,} visual tokens · " if stats["visual_tokens"] is not None else ""
     line = f"{visual}first token after {_duration(stats['ttft_ms'])} · {new}{speed}"
     rows = [("Prompt", f"{stats['prompt_tokens']:,} tokens")] if stats["prompt_tokens"] is not None else []
+    if stats.get("reused_prompt_tokens"):  # what the engine kept of the conversation (an external server: none)
+        rows.append(("Kept from the conversation", f"{stats['reused_prompt_tokens']:,} tokens, not read again"))
     if stats["image_tokens"]:
         rows.append(("Images", ", ".join(f"#{i + 1} {n:,}" for i, n in enumerate(stats["image_tokens"])) + " tokens"))
     if stats["video_frames"]:
