@@ -31,8 +31,8 @@ FUSED_TEXT_MODEL = 1
 # 1: a conversation's state is kept between its turns (app.engine.conversations), so that a follow-up
 # prefills only what is new and its earlier images are not encoded again; 0: every prompt is prefilled
 # whole. Kept states take at most CONVERSATION_CACHE_GB of GPU memory, the least recently used let go
-# first: one after a 1344x1344 image is about 26 MB at the 4.6 shape (19 MB of DeltaNet state, 12 KB a
-# token), so 4 GB hold about 150 conversations.
+# first: one conversation's, after a 1344x1344 image, is about 26 MB at the 4.6 shape (19 MB of DeltaNet
+# state, 12 KB a token), so 4 GB hold about 150 conversations' latest states (older ones go first).
 CONVERSATION_CACHE = 1
 CONVERSATION_CACHE_GB = 4.0
 # 1: the vision tower runs as app.model.vision.fused writes it where the checkpoint allows; 0: through

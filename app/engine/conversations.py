@@ -30,6 +30,10 @@ from app.engine.settings import GenerationSettings
 log = logging.getLogger(__name__)
 
 TURN_START = "<|im_start|>"  # where a turn of the chat template (ChatML, as MiniCPM-V's) begins
+# A prompt is looked for at the starts of its last few turns only: a follow-up, a Retry, an Undo go on from its
+# conversation's latest states, and making a key copies the prompt up to there (a prompt of thousands of turns
+# would cost tens of ms).
+LOOKED_AT_TURNS = 8
 
 
 @dataclass(eq=False)
@@ -71,17 +75,26 @@ class ConversationCache:
 
     def find(self, prepared) -> KeptConversation | None:
         """The longest kept conversation `prepared` (app.engine.inputs.PreparedInputs) goes on from, or None.
-        Only the starts of its turns are looked at: that is where states are kept."""
+        Only the starts of its last LOOKED_AT_TURNS turns are looked at: that is where states are kept, and a
+        follow-up, a Retry, an Undo or an edit of a recent turn goes on from one of them. Their keys are made before the lock is taken: the scheduler's thread waits on it."""
         if not self._kept or not prepared.turn_starts:
             return None
         tokens = _token_bytes(prepared)
+        keys = [_key(tokens, prepared, start) for start in reversed(prepared.turn_starts[-LOOKED_AT_TURNS:])]
         with self._lock:
-            for start in reversed(prepared.turn_starts):
-                found = self._kept.get(_key(tokens, prepared, start))
+            for key in keys:
+                found = self._kept.get(key)
                 if found is not None:
                     self._kept.move_to_end(found.key)
                     return found
         return None
+
+    def superseded(self, kept: KeptConversation) -> None:
+        """A newer state of `kept`'s conversation is kept: `kept` is let go first when room is needed (it
+        serves an Undo or an edit of the latest question only)."""
+        with self._lock:
+            if self._kept.get(kept.key) is kept:
+                self._kept.move_to_end(kept.key, last=False)
 
     def keep(self, prepared, state) -> None:
         """Keep `state`, a prompt's state after its last turn's start (prepared.turn_starts[-1])."""
@@ -159,6 +172,8 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
         state = runner.snapshot(slots[id(request)], _turn(request))
         if state is not None:
             cache.keep(request.prepared, state)
+            if request.prepared.kept is not None:
+                cache.superseded(request.prepared.kept)
     if kept:
         logits.append(runner.prefill_continued([(_ids(r, _turn(r), None), None) for r, _ in kept],
                                                [_turn(r) for r, _ in kept], [slots[id(r)] for r, _ in kept], columns))

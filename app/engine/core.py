@@ -107,12 +107,14 @@ class ModelManager:
         started = time.perf_counter()
         with tempfile.NamedTemporaryFile(suffix=".png") as file:
             Image.new("RGB", (448, 448), (120, 160, 200)).save(file.name)
-            messages = [{"role": "user", "content": [{"type": "image", "path": file.name},
-                                                     {"type": "text", "text": "Describe the image."}]}]
             settings = GenerationSettings(max_new_tokens=4, do_sample=False)
 
-            def one_reply(_=None):
-                for _ in self.stream(messages, settings):
+            def one_reply(number: int = 0):
+                # Each its own question: a repeated one would go on from the first's kept state, and the
+                # waves' first prefills, which users' first questions meet, would not be run here.
+                question = [{"role": "user", "content": [{"type": "image", "path": file.name},
+                                                         {"type": "text", "text": f"Describe the image ({number})."}]}]
+                for _ in self.stream(question, settings):
                     pass
 
             one_reply()
@@ -120,6 +122,7 @@ class ModelManager:
             for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in tuning.WARM_UP_WAVES}):
                 with ThreadPoolExecutor(wave) as pool:
                     list(pool.map(one_reply, range(wave)))
+        self.scheduler.conversations.clear()  # the warm-up's questions come no more
         if self.runner.uses_cuda_graphs:
             self._warm_up_shapes()
         self.warmup_s = time.perf_counter() - started
@@ -186,6 +189,7 @@ class ModelManager:
         before = self.gpu_memory_bytes() or 0
         self._ready.clear()
         self.scheduler.detach()
+        self.scheduler.conversations.clear()  # its states are the old model's, and GPU memory the new one needs
         self.runner.release()
         self.runner = None
         self.preparer.close()

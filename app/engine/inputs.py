@@ -297,11 +297,13 @@ def _loaded_images(paths: list[str], images: dict, jpegs_on_device: bool) -> lis
     return [images[path] for path in paths]
 
 
-def _held_by_kept_conversations(processor, paths: list[str], settings: GenerationSettings,
+def _held_by_kept_conversations(processor, messages: list[dict], paths: list[str], settings: GenerationSettings,
                                 kept_media: frozenset) -> list[tuple[int, int]] | None:
     """The images' (height, width) from their headers if kept conversations hold every one (their keys in
-    `kept_media`), else None."""
-    if not paths or not kept_media:
+    `kept_media`), else None. Never for an image of the last question, which no kept state of this
+    conversation can hold: if another's held it, this one would be prepared twice (and would learn, from
+    the time it took, that someone had sent that file)."""
+    if not paths or not kept_media or any(part["type"] == "image" for part in messages[-1]["content"]):
         return None
     sizes = [image_size(path) for path in paths]
     plan = plan_slices(processor.image_processor, sizes, settings.max_slice_nums, settings.downsample_mode,
@@ -331,7 +333,7 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
             raise UserError(MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
         raise UserError(MSG_ONE_VIDEO)
 
-    left_out = _held_by_kept_conversations(processor, image_paths, settings, kept_media)
+    left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media)
     loaded = left_out or _loaded_images(image_paths, images, jpegs_on_device and defers_jpegs(processor))
     sizes_only = bool(loaded) and isinstance(loaded[0], tuple)
     deferred = sizes_only and not left_out  # sizes alone: the engine decodes them (D43)

@@ -152,6 +152,9 @@ class PrefillGraphs(GraphSet):
 # which else would add a wave's launches from Python to every large wave.
 CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16,),
                            16: (16,), 32: (16,), 64: (16,)}
+# The columns a captured continued prefill's attention reads of each slot (at most the store's): every one,
+# however short the conversation, so not more; a prompt that would reach past them is launched.
+CONTINUED_GRAPH_COLUMNS = 2048
 
 
 class ContinuedPrefillGraphs(GraphSet):
@@ -181,8 +184,7 @@ class ContinuedPrefillGraphs(GraphSet):
         None where no bucket holds the wave or capturing failed."""
         rows = len(lengths)
         length = length or next((size for size in CONTINUED_GRAPH_LENGTHS.get(rows, ()) if size >= max(lengths)), None)
-        if self.given_up or length is None \
-                or max(starts) + length > self.store.column_capacity:
+        if self.given_up or length is None or max(starts) + length > self._columns():
             return None
         self._drop_if_stale()
         captured = self.captured.get((rows, length))
@@ -206,6 +208,9 @@ class ContinuedPrefillGraphs(GraphSet):
         graph.replay()
         return static_logits
 
+    def _columns(self) -> int:
+        return min(self.store.column_capacity, CONTINUED_GRAPH_COLUMNS)
+
     def _capture_bucket(self, static_embeddings, static_places, rows: int, length: int):
         # Each run goes on from the prompts' slots and moves their states on: the warm-up runs' effect is undone
         # before the replay that counts.
@@ -215,8 +220,7 @@ class ContinuedPrefillGraphs(GraphSet):
         try:
             graph, static_logits = self._capture(
                 lambda: self.fused.prefill_continued_padded(static_embeddings, static_places[:rows],
-                                                            static_places[rows:2 * rows], slots,
-                                                            self.store.column_capacity),
+                                                            static_places[rows:2 * rows], slots, self._columns()),
                 f"the continued prefill of {rows} prompts of up to {length} tokens")
         except RuntimeError as error:
             log.warning("The continued prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
