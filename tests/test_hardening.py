@@ -126,6 +126,30 @@ def test_history_that_outgrows_the_context_is_trimmed_oldest_first(manager, tmp_
         prepare_inputs(manager.processor, turns[-3:], settings, 20)
 
 
+def test_a_conversation_of_thousands_of_turns_is_trimmed_in_a_few_renderings(manager, monkeypatch):
+    """The earliest start that fits is found by halving: about log2(turns) renderings, not one a turn dropped
+    (which took minutes for 2,400 turns), and the same start as dropping them one by one."""
+    from app.engine import inputs
+    from app.engine.settings import GenerationSettings
+
+    turns = []
+    for i in range(1200):
+        turns += [{"role": "user", "content": [{"type": "text", "text": f"Question {i}"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": f"Answer {i}"}]}]
+    turns.append({"role": "user", "content": [{"type": "text", "text": "And now?"}]})
+    settings = GenerationSettings(max_new_tokens=16)
+    rendered = []
+    prepare = inputs._prepare
+    monkeypatch.setattr(inputs, "_prepare", lambda processor, messages, *rest: rendered.append(len(messages)) or
+                        prepare(processor, messages, *rest))
+    limit = 2000
+    trimmed = inputs.prepare_inputs(manager.processor, turns, settings, limit)
+    assert len(rendered) <= 13
+    left_out = int(trimmed.notices[0].split("The ")[1].split(" oldest")[0])
+    one_more = inputs.prepare_inputs(manager.processor, turns[left_out - 2:], settings, 10**6)  # a turn more
+    assert trimmed.prompt_tokens + 16 <= limit < one_more.prompt_tokens + 16
+
+
 def solo_and_concurrent(server_url, requests, clients):
     """Each request's answer alone, then all of them at once from `clients` threads."""
     solo = {}

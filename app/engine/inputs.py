@@ -218,21 +218,38 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     system = messages[:1] if messages[0]["role"] == "system" else []  # kept whatever is left out
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
     media_start = next((start for start in turn_starts if _media_fit(messages[start:])), turn_starts[-1])
-    for start in turn_starts[turn_starts.index(media_start):]:
-        prepared = _prepare(processor, system + messages[start:], settings, images, jpegs_on_device, kept_media)
-        needed = prepared.prompt_tokens + settings.max_new_tokens
-        if needed <= max_context_tokens:
-            left_out = start - len(system)
-            if start > media_start:
-                prepared.notices.insert(0, MSG_CONTEXT_TRIMMED.format(count=left_out, limit=max_context_tokens))
-            elif left_out:
-                prepared.notices.insert(0, MSG_MEDIA_TRIMMED.format(count=left_out, limit=limits.MAX_IMAGES_PER_REQUEST))
-            for key in PIXEL_KEYS if pixel_dtype is not None else ():
-                pixels = prepared.tensors.get(key)
-                if pixels is not None and pixels.is_floating_point():
-                    prepared.tensors[key] = pixels.to(pixel_dtype)
-            return prepared
-    raise UserError(MSG_CONTEXT_TOO_LONG.format(count=needed, limit=max_context_tokens))
+    starts = turn_starts[turn_starts.index(media_start):]
+    tried: dict[int, tuple[PreparedInputs, int]] = {}  # an index of `starts` -> (its inputs, tokens they need)
+
+    def needed(index: int) -> int:
+        if index not in tried:
+            prepared = _prepare(processor, system + messages[starts[index]:], settings, images, jpegs_on_device,
+                                kept_media)
+            tried[index] = (prepared, prepared.prompt_tokens + settings.max_new_tokens)
+        return tried[index][1]
+
+    # The earliest start that fits: the first at once (the common case), else by halving, as fewer turns never
+    # need more tokens (tried one by one, a conversation of thousands of turns took minutes).
+    index = 0
+    if needed(0) > max_context_tokens:
+        low, high = 1, len(starts) - 1  # those before `low` do not fit, those after `high` do
+        while low <= high:
+            middle = (low + high) // 2
+            low, high = (low, middle - 1) if needed(middle) <= max_context_tokens else (middle + 1, high)
+        if low == len(starts):
+            raise UserError(MSG_CONTEXT_TOO_LONG.format(count=needed(len(starts) - 1), limit=max_context_tokens))
+        index = low
+    prepared, start = tried[index][0], starts[index]
+    left_out = start - len(system)
+    if start > media_start:
+        prepared.notices.insert(0, MSG_CONTEXT_TRIMMED.format(count=left_out, limit=max_context_tokens))
+    elif left_out:
+        prepared.notices.insert(0, MSG_MEDIA_TRIMMED.format(count=left_out, limit=limits.MAX_IMAGES_PER_REQUEST))
+    for key in PIXEL_KEYS if pixel_dtype is not None else ():
+        pixels = prepared.tensors.get(key)
+        if pixels is not None and pixels.is_floating_point():
+            prepared.tensors[key] = pixels.to(pixel_dtype)
+    return prepared
 
 
 def thinks_by_default(processor) -> bool:
