@@ -162,17 +162,7 @@ class _DeltaNetLayer:
         qkv = text_ops.packed_conv(projection, self.channels, self.conv_weight, rows.places)
         tails = (projection[rows.tail_rows, :self.channels] * rows.tail_exists[..., None]).transpose(1, 2)
         store.ensure_layer(store.conv, self.index, tails, columns=False).index_copy_(0, rows.prompt_slots, tails)
-        tokens = hidden.shape[0]
-        batch = (rows.sequences, tokens // rows.sequences)
-        query, key, value = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta, decay = text_ops.delta_gates(projection, self.beta_column, self.decay_column, self.value_heads,
-                                           self.a_log, self.dt_bias)
-        attended, states = text_ops.chunk_delta_rule(
-            query.reshape(*batch, self.key_heads, -1), key.reshape(*batch, self.key_heads, -1),
-            value.reshape(*batch, self.value_heads, -1), decay.view(*batch, -1), beta.view(*batch, -1), rows.bounds,
-            rows.device_bounds)
-        store.ensure_layer(store.recurrent, self.index, states, columns=False).index_copy_(0, rows.prompt_slots, states)
-        return self._out(attended.reshape(tokens, -1), projection)
+        return self._delta_rule(projection, qkv, store, rows)
 
     def prefill_continued(self, hidden, store, rows: ContinuedRows):
         """prefill for prompts that go on from their slots' states: the convolution reads each slot's kept
@@ -184,19 +174,25 @@ class _DeltaNetLayer:
         inputs[rows.conv_token_rows] = projection[:, :self.channels]
         qkv = text_ops.packed_conv(inputs, self.channels, self.conv_weight, rows.conv_places)[rows.conv_token_rows]
         store.conv[self.index].index_copy_(0, rows.prompt_slots, inputs[rows.conv_tail_rows].transpose(1, 2).to(conv_state.dtype))
-        tokens = hidden.shape[0]
+        return self._delta_rule(projection, qkv, store, rows, store.recurrent[self.index].index_select(0, rows.prompt_slots),
+                                rows.real)
+
+    def _delta_rule(self, projection, qkv, store, rows, initial_state=None, real=None):
+        """The gated delta rule over a prefill's convolved queries, keys and values, each prompt from a zero
+        state or from its row of `initial_state`, its final state written into its slot; rows where `real` is
+        false (padding) go through without decay or update, leaving each state as it is."""
+        tokens = projection.shape[0]
         query, key, value = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta, decay = text_ops.delta_gates(projection, self.beta_column, self.decay_column, self.value_heads,
                                            self.a_log, self.dt_bias)
-        if rows.real is not None:  # padding: no decay and no update, so each state goes through it unchanged
-            beta, decay = beta * rows.real[:, None], decay * rows.real[:, None]
+        if real is not None:
+            beta, decay = beta * real[:, None], decay * real[:, None]
         batch = (rows.sequences, tokens // rows.sequences)
-        recurrent = store.recurrent[self.index]
         attended, states = text_ops.chunk_delta_rule(
             query.reshape(*batch, self.key_heads, -1), key.reshape(*batch, self.key_heads, -1),
-            value.reshape(*batch, self.value_heads, -1), decay.view(*batch, -1), beta.view(*batch, -1),
-            rows.bounds, rows.device_bounds, initial_state=recurrent.index_select(0, rows.prompt_slots))
-        recurrent.index_copy_(0, rows.prompt_slots, states.to(recurrent.dtype))
+            value.reshape(*batch, self.value_heads, -1), decay.view(*batch, -1), beta.view(*batch, -1), rows.bounds,
+            rows.device_bounds, initial_state=initial_state)
+        store.ensure_layer(store.recurrent, self.index, states, columns=False).index_copy_(0, rows.prompt_slots, states)
         return self._out(attended.reshape(tokens, -1), projection)
 
     def _out(self, attended, projection):
@@ -238,44 +234,38 @@ class _AttentionLayer:
         like = hidden.new_empty((1, self.kv_heads, 0, self.head_dim))
         keys = store.ensure_layer(store.keys, self.index, like, columns=True)
         values = store.ensure_layer(store.values, self.index, like, columns=True)
-        projection, query = self._inputs(hidden, rows, keys, values)
-        attended = self._attend_padded(query, keys, values, rows) if rows.sees is not None \
-            else self._attend_packed(query, keys, values, rows)
-        return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
+        slots = range(rows.first_slot, rows.first_slot + len(rows.lengths))
+        return self._prefill(hidden, rows, keys, values, slots, [0] * len(rows.lengths))
 
     def prefill_continued(self, hidden, store, rows: ContinuedRows):
         """prefill for prompts that go on from their slots: each new token attends over its slot's columns
         up to its own, the kept ones first."""
-        keys, values = store.keys[self.index], store.values[self.index]
+        return self._prefill(hidden, rows, store.keys[self.index], store.values[self.index], rows.slot_list, rows.starts)
+
+    def _prefill(self, hidden, rows, keys, values, slots, starts):
         projection, query = self._inputs(hidden, rows, keys, values)
-        if rows.sees is not None:
-            attended = self._attend_padded(query, keys, values, rows)
-            return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
-        group = self.heads // self.kv_heads
-        outputs, at = [], 0
-        for slot, start, length in zip(rows.slot_list, rows.starts, rows.lengths):
-            end = start + length
-            own = query[at:at + length].transpose(0, 1)[None]
-            sees = torch.arange(end, device=query.device)[None, :] <= torch.arange(start, end, device=query.device)[:, None]
-            attended = F.scaled_dot_product_attention(
-                own, keys[slot, :, :end].repeat_interleave(group, dim=0)[None],
-                values[slot, :, :end].repeat_interleave(group, dim=0)[None], attn_mask=sees, scale=self.scaling)
-            outputs.append(attended[0].transpose(0, 1).reshape(length, -1))
-            at += length
-        attended = torch.cat(outputs)
+        attended = self._attend_padded(query, keys, values, rows) if rows.sees is not None \
+            else self._attend_packed(query, keys, values, slots, starts, rows.lengths)
         return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
 
-    def _attend_packed(self, query, keys, values, rows: Rows):
-        """Causal attention within each prompt, over the keys and values just written to its slot."""
+    def _attend_packed(self, query, keys, values, slots, starts: list[int], lengths: list[int]):
+        """Each prompt's attention over the keys and values of its slot up to each of its tokens: its
+        `lengths[i]` tokens, packed back to back, after the `starts[i]` its slot held before (causal, where 0)."""
         group = self.heads // self.kv_heads
-        outputs, start = [], 0
-        for slot, length in enumerate(rows.lengths, start=rows.first_slot):
-            own = query[start:start + length].transpose(0, 1)[None]
+        outputs, at = [], 0
+        for slot, start, length in zip(slots, starts, lengths):
+            end = start + length
+            own = query[at:at + length].transpose(0, 1)[None]
+            if start:
+                sees = torch.arange(end, device=query.device)[None, :] <= torch.arange(start, end, device=query.device)[:, None]
+                masking = {"attn_mask": sees}
+            else:
+                masking = {"is_causal": True}
             attended = F.scaled_dot_product_attention(
-                own, keys[slot, :, :length].repeat_interleave(group, dim=0)[None],
-                values[slot, :, :length].repeat_interleave(group, dim=0)[None], is_causal=True, scale=self.scaling)
+                own, keys[slot, :, :end].repeat_interleave(group, dim=0)[None],
+                values[slot, :, :end].repeat_interleave(group, dim=0)[None], scale=self.scaling, **masking)
             outputs.append(attended[0].transpose(0, 1).reshape(length, -1))
-            start += length
+            at += length
         return torch.cat(outputs)
 
     def _attend_padded(self, query, keys, values, rows):
