@@ -39,7 +39,6 @@ Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend
     python benchmarks/concurrency.py --workload follow-up --levels 10,50,100,200 --duration 10 --grace 10
 """
 
-import argparse
 import json
 import os
 import sys
@@ -48,7 +47,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import benchmark_parser, chosen_model  # noqa: E402
 from benchmarks.cpu_use import CpuUse  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from benchmarks.requesters import engine_requester  # noqa: E402
@@ -211,12 +210,7 @@ def summary_table(levels: list[dict]) -> str:
 
 
 def main() -> None:
-    from app.config import apply_environment
-
-    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
-    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--mode", choices=["engine", "app", "openai", "openai-http"], default="engine")
     parser.add_argument("--levels", default="1,10,50,100,200")
     parser.add_argument("--duration", type=float, default=60.0)
@@ -254,7 +248,7 @@ def main() -> None:
     # The users' threads here take their replies' tokens as a web process's do, so at its switch
     # interval (at Python's 5 ms the first token's delivery p95 was 132-328 ms, docs/DECISIONS.md D14).
     sys.setswitchinterval(tuning.SWITCH_INTERVAL_S)
-    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
+    model = chosen_model(args)
     levels = [int(level) for level in args.levels.split(",")]
     config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine,
                        web_processes=args.web_processes, front_processes=args.front_processes,

@@ -11,7 +11,6 @@ and question (benchmarks/real_shape.py), prepared as the engine prepares it:
     python benchmarks/continued_prefill.py --model tiny-random --runs 2      # a quick CPU check
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import AppConfig  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
-from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import benchmark_parser, benchmark_request, chosen_model  # noqa: E402
 
 
 def timed(run, cuda: bool, runs: int):
@@ -42,19 +41,12 @@ def timed(run, cuda: bool, runs: int):
 
 
 def main() -> None:
-    from app.config import apply_environment
-
-    apply_environment()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a checkpoint (folder, Hub id or tiny-random) instead of the real-shape random one")
-    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--image-format", choices=("png", "jpeg"), default="jpeg")
     args = parser.parse_args()
 
-    import torch
-
-    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
+    model = chosen_model(args)
     manager = ModelManager(AppConfig(model=model, engine_process=False))
     manager.load()
     manager.warm_up()

@@ -10,7 +10,6 @@ Also compares the captured step's next tokens with those of transformers' layers
     MINICPMV_FUSED_TEXT_MODEL=0 python benchmarks/decode_step.py --batches 1,200   # through transformers' layers
 """
 
-import argparse
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.real_shape import DEFAULT_FOLDER, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import benchmark_parser, chosen_model  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 
 
@@ -60,14 +59,9 @@ def kernel_profile(step, steps: int, top: int) -> dict:
 
 
 def main() -> None:
-    from app.config import apply_environment
-
-    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a checkpoint (folder or Hub id) instead of the real-shape random one")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 while loading")
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="time the CUDA-graph step only")
-    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
     parser.add_argument("--batches", default="1,8,32,64,128,200,256")
     parser.add_argument("--prompt-tokens", type=int, default=676)
     parser.add_argument("--steps", type=int, default=50)
@@ -80,7 +74,7 @@ def main() -> None:
 
     from app.config import AppConfig
     from app.engine.core import ModelManager
-    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
+    model = chosen_model(args)
     manager = ModelManager(AppConfig(model=model, load_in_4bit=args.load_in_4bit))
     manager.load()
     runner = manager.runner

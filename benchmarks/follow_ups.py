@@ -13,7 +13,6 @@ markdown table. Random weights at the real MiniCPM-V 4.6 shape by default:
     python benchmarks/follow_ups.py --model tiny-random --turns 4 --runs 1   # a quick CPU check
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.real_shape import DEFAULT_FOLDER, QUESTION, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import QUESTION, benchmark_parser, chosen_model  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from benchmarks.workloads import assistant_turn, engine_reply, image_part, noise_image, user_turn  # noqa: E402
 
@@ -64,12 +63,7 @@ def turns_table(runs: list[list[dict]]) -> str:
 
 
 def main() -> None:
-    from app.config import apply_environment
-
-    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
-    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--turns", type=int, default=10, help="turns of each conversation, the first with the image")
     parser.add_argument("--runs", type=int, default=3, help="conversations, one after the other")
     parser.add_argument("--new-tokens", type=int, default=64,
@@ -86,7 +80,7 @@ def main() -> None:
     from app.engine.core import ModelManager
     from app.engine.settings import GenerationSettings
 
-    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
+    model = chosen_model(args)
     config = AppConfig(model=model, engine_process=not args.in_process_engine)
     manager = (EngineProcess if config.engine_process else ModelManager)(config)
     manager.load()

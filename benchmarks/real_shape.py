@@ -1,6 +1,7 @@
 """The benchmarks' model and request: random weights at the real MiniCPM-V 4.6 shape (timings do not depend
 on their values), and one 1344x1344 image (640 visual tokens) with a short question."""
 
+import argparse
 import json
 import os
 import tempfile
@@ -20,6 +21,23 @@ def ensure_real_shape_checkpoint(folder: str = DEFAULT_FOLDER) -> str:
             build_random_checkpoint(folder, json.load(file), dtype=torch.bfloat16,
                                     device="cuda" if torch.cuda.is_available() else "cpu")
     return folder
+
+
+def benchmark_parser(description: str) -> argparse.ArgumentParser:
+    """A benchmark's options, beginning with the model's (--model, --checkpoint: see chosen_model), once the
+    limits and knobs the environment sets are read, as the app's processes read them (app.startup)."""
+    from app.config import apply_environment
+
+    apply_environment()
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a checkpoint (Hub id, folder or tiny-random) instead of the real-shape random one")
+    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER, help="where the real-shape random one is built")
+    return parser
+
+
+def chosen_model(args) -> str:
+    """--model, else the real-shape random checkpoint, built into --checkpoint on first use."""
+    return args.model or ensure_real_shape_checkpoint(args.checkpoint)
 
 
 QUESTION = "Describe this image in detail."

@@ -8,7 +8,6 @@ question, exactly --new-tokens new tokens, greedy. Run on a GPU machine:
     python benchmarks/single_request.py --model /tmp/real-shape-gptq      # any other checkpoint (int4, ...)
 """
 
-import argparse
 import collections
 import json
 import os
@@ -24,18 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import AppConfig  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
-from benchmarks.real_shape import DEFAULT_FOLDER, asked_anew, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
+from benchmarks.real_shape import asked_anew, benchmark_parser, benchmark_request, chosen_model  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 
 
 def main() -> None:
-    from app.config import apply_environment
-
-    apply_environment()  # the limits and knobs the environment sets, as the app's processes read them (app.startup)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a checkpoint (folder or Hub id) instead of the real-shape random one")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 while loading (CUDA)")
-    parser.add_argument("--checkpoint", default=DEFAULT_FOLDER)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--runs", type=int, default=5)
@@ -49,7 +43,7 @@ def main() -> None:
     import transformers
 
     started = time.perf_counter()
-    model = args.model or ensure_real_shape_checkpoint(args.checkpoint)
+    model = chosen_model(args)
     build_s = time.perf_counter() - started
 
     manager = ModelManager(AppConfig(model=model, device=args.device, dtype=args.dtype, load_in_4bit=args.load_in_4bit))
