@@ -167,16 +167,16 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
     if heads:
         runner.prefill_continued([(_ids(r, r.prepared.kept.length, _turn(r)), f) for r, f in heads],
                                  [r.prepared.kept.length for r, _ in heads], [slots[id(r)] for r, _ in heads], columns)
-    kept = fresh + going_on
     for request, _ in fresh + heads:
         state = runner.snapshot(slots[id(request)], _turn(request))
         if state is not None:
             cache.keep(request.prepared, state)
             if request.prepared.kept is not None:
                 cache.superseded(request.prepared.kept)
-    if kept:
-        logits.append(runner.prefill_continued([(_ids(r, _turn(r), None), None) for r, _ in kept],
-                                               [_turn(r) for r, _ in kept], [slots[id(r)] for r, _ in kept], columns))
+    rest = fresh + going_on  # each prompt's last turn, from the state kept at its start
+    if rest:
+        logits.append(runner.prefill_continued([(_ids(r, _turn(r), None), None) for r, _ in rest],
+                                               [_turn(r) for r, _ in rest], [slots[id(r)] for r, _ in rest], columns))
     for request, _ in going_on:
         request.prepared.kept = None  # its state is in its slot now: the cache may let it go
     return [request for request, _ in ordered], runner.joined(logits)
