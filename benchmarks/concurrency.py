@@ -37,6 +37,7 @@ Random weights at the real MiniCPM-V 4.6 shape by default (timings do not depend
     python benchmarks/concurrency.py --model tiny-random --levels 1,4 --duration 10   # a quick CPU check
     python benchmarks/concurrency.py --model tiny-random --mode openai --levels 1,4 --duration 5
     python benchmarks/concurrency.py --workload follow-up --levels 10,50,100,200 --duration 10 --grace 10
+    python benchmarks/concurrency.py --workload text,image-448,follow-up --levels 10,50,100,200   # several, one engine
 """
 
 import json
@@ -209,6 +210,50 @@ def summary_table(levels: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def run_workload(args, name: str, config, manager, levels: list[int], first_user: int, url, web, fronts) -> dict:
+    """Every level of workload `name`, its users numbered from `first_user`: the report."""
+    import torch
+    import transformers
+
+    from app.engine.settings import GenerationSettings
+
+    workload = make_workload(name, args.image_format)
+    settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
+    generation = GenerationSettings(**settings, **workload.settings)
+
+    def make_requester(user):
+        return engine_requester(manager, workload, generation, user)
+
+    app = (url, workload, settings, args.client_switch_interval) if url else None
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
+        "engine": "process of its own" if config.engine_process else "in-process",
+        "web_processes": config.web_processes, "front_processes": len(fronts.pids) if fronts else 0,
+        **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
+        "workload": name, "new_tokens": args.new_tokens,
+        "image_format": workload.media["path"].rsplit(".", 1)[1] if workload.media else None,
+        **({"conversation": "grows by each turn (/ask follow_up)"} if workload.follow_up and args.mode == "app" else {}),
+        # One request of the workload through the engine, before the levels: what each one holds.
+        "request": request_shape(make_requester(0)), "duration_s": args.duration, "levels": [],
+    }
+    print(f"{name}: {json.dumps(report['request'])}", flush=True)
+    if getattr(manager, "pid", None):
+        print(f"engine process: {manager.pid}", flush=True)
+    for users in levels:
+        print(f"level {users} users: started", flush=True)  # for a profiler waiting to attach
+        level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None),
+                          {"web_processes": tuple(web.pids), "fronts": tuple(fronts.pids)} if web else None,
+                          args.client_processes, first_user)
+        first_user += users
+        report["levels"].append(level)
+        print(json.dumps(level), flush=True)
+    print(summary_table(report["levels"]), flush=True)
+    return report
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--mode", choices=["engine", "app", "openai", "openai-http"], default="engine")
@@ -216,7 +261,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--grace", type=float, default=60.0)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--workload", choices=WORKLOADS, default="image-1344", help="what each request holds (see above)")
+    parser.add_argument("--workload", default="image-1344",
+                        help=f"what each request holds (see above): one of {', '.join(WORKLOADS)}, or several, comma-separated "
+                             "(run one after the other on the same engine; --json then holds a report for each)")
     parser.add_argument("--image-format", choices=["png", "jpeg"],
                         help="image-1344 and follow-up: the 1344x1344 image as a noise PNG (5.4 MB; image-1344's default, "
                              "as in RESULTS.md) or the same as a JPEG (1.3 MB; follow-up's default)")
@@ -232,16 +279,17 @@ def main() -> None:
     parser.add_argument("--front-processes", type=int, default=0,
                         help="app mode, with --web-processes above 1: proxy processes (python app.py --front-processes)")
     args = parser.parse_args()
-    if args.image_format and args.workload not in ("image-1344", "follow-up"):
+    workloads = args.workload.split(",")
+    if unknown := [name for name in workloads if name not in WORKLOADS]:
+        parser.error(f"unknown workload {', '.join(unknown)}: one of {', '.join(WORKLOADS)}")
+    if args.image_format and not {"image-1344", "follow-up"} & set(workloads):
         parser.error(f"--image-format is for image-1344 and follow-up; {args.workload} sends no 1344x1344 image")
-
-    import torch
-    import transformers
+    if len(workloads) > 1 and args.mode != "engine":
+        parser.error("several workloads run in engine mode only")
 
     from app.config import AppConfig
     from app.engine.client import EngineProcess
     from app.engine.core import ModelManager
-    from app.engine.settings import GenerationSettings
 
     from app import tuning
 
@@ -264,46 +312,12 @@ def main() -> None:
         manager.load()
         manager.warm_up()
 
-    workload = make_workload(args.workload, args.image_format)
-    settings = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False}
-    generation = GenerationSettings(**settings, **workload.settings)
-
-    def make_requester(user):
-        return engine_requester(manager, workload, generation, user)
-
-    app, web, fronts = None, None, None
-    if args.mode != "engine":
-        url, web, fronts = serve(config, manager, args.mode)
-        app = (url, workload, settings, args.client_switch_interval)
-
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "model": args.model or "random weights, real MiniCPM-V 4.6 shape", "mode": args.mode,
-        "engine": "process of its own" if config.engine_process else "in-process",
-        "web_processes": config.web_processes, "front_processes": len(fronts.pids) if fronts else 0,
-        **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
-        "workload": args.workload, "new_tokens": args.new_tokens,
-        "image_format": workload.media["path"].rsplit(".", 1)[1] if workload.media else None,
-        **({"conversation": "grows by each turn (/ask follow_up)"} if workload.follow_up and args.mode == "app" else {}),
-        # One request of the workload through the engine, before the levels: what each one holds.
-        "request": request_shape(make_requester(0)), "duration_s": args.duration, "levels": [],
-    }
-    print(f"{args.workload}: {json.dumps(report['request'])}", flush=True)
-    if getattr(manager, "pid", None):
-        print(f"engine process: {manager.pid}", flush=True)
-    first_user = 1  # every level's users are new ones: a follow-up's conversations are all different
-    for users in levels:
-        print(f"level {users} users: started", flush=True)  # for a profiler waiting to attach
-        level = run_level(users, args.duration, args.grace, manager.metrics, make_requester, app, getattr(manager, "pid", None),
-                          {"web_processes": tuple(web.pids), "fronts": tuple(fronts.pids)} if web else None,
-                          args.client_processes, first_user)
-        first_user += users
-        report["levels"].append(level)
-        print(json.dumps(level), flush=True)
-    print(summary_table(report["levels"]), flush=True)
-    write_json(args.json, report)
+    url, web, fronts = serve(config, manager, args.mode) if args.mode != "engine" else (None, None, None)
+    reports, first_user = [], 1  # every level's users are new ones: a follow-up's conversations are all different
+    for name in workloads:
+        reports.append(run_workload(args, name, config, manager, levels, first_user, url, web, fronts))
+        first_user += sum(levels)
+    write_json(args.json, reports[0] if len(reports) == 1 else {"workloads": reports})
     if web:
         from app.web.processes import close_serving
 
