@@ -28,6 +28,10 @@ RESERVED_COLUMNS = 1024
 # 1: the text model runs as app.model.text.fused writes it (decode step and prefill) where the checkpoint
 # allows; 0: through transformers' layers.
 FUSED_TEXT_MODEL = 1
+# 1: the fused text model's matrix products of one row (the decode step of a lone reply) run on CUDA through
+# its own Triton GEMV, which streams the weights closer to the memory's speed than the kernels cuBLAS picks
+# at these shapes (docs/DECISIONS.md D44); 0: cuBLAS always.
+ONE_ROW_LINEAR = 1
 # 1: a conversation's state is kept between its turns (app.engine.conversations), so that a follow-up
 # prefills only what is new and its earlier images are not encoded again; 0: every prompt is prefilled
 # whole. Kept states take at most CONVERSATION_CACHE_GB of GPU memory, the least recently used let go
@@ -110,6 +114,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "PREFILL_TOKENS_PER_STEP",
     "RESERVED_COLUMNS",
     "FUSED_TEXT_MODEL",
+    "ONE_ROW_LINEAR",
     "CONVERSATION_CACHE",
     "CONVERSATION_CACHE_GB",
     "FUSED_VISION_TOWER",

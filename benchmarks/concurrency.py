@@ -8,11 +8,11 @@ Each request: exactly --new-tokens new tokens, greedy, after what --workload say
   follow-up   a follow-up in a conversation that holds a 1344x1344 image (a JPEG unless --image-format says
               otherwise): [user: the image and a question,
               assistant: the engine's answer to it, user: a new question]. Each user opens its conversation
-              (a first question of its own, answered by the engine) before the level's clock; its timed
-              requests send the same image and first two messages again, each with a question not sent
-              before. In app mode /ask keeps the conversation in the server (settings follow_up), where it
-              grows by each turn: every timed request is the next turn of the user's one conversation
-              (see prompt_tokens; compare app mode's follow-ups only with each other),
+              (a first question of its own, answered by the engine) before the level's clock; each timed
+              request is the next turn of the user's one conversation, which grows by each question and its
+              answer, as a chat's does (see prompt_tokens). In app mode /ask keeps the conversation in the
+              server (settings follow_up); the OpenAI-style modes send the opening again each time, with a
+              question not sent before,
   video-16    a 16-frame video (a 16 s synthetic mp4, sampled at 1 frame a second, at most 16) and a question.
 Each level runs for --duration seconds of new requests, then waits up to --grace seconds for those in
 flight; unfinished ones are reported, not hidden. Each level gives the mean, p50 and p95 of the time to first

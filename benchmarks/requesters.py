@@ -9,19 +9,31 @@ import time
 from contextlib import closing
 
 from benchmarks.streaming_client import streamed_outputs
-from benchmarks.workloads import UserRequests, engine_reply, openai_messages, text_and_files
+from benchmarks.workloads import UserRequests, answer_text, engine_reply, openai_messages, text_and_files
 
 
 class Aborted(Exception):
     """The level's time ran out while this request was still waiting or streaming."""
 
 
-def engine_request(manager, messages, settings, abort: threading.Event) -> tuple[float, dict]:
-    """(time to first token in ms, the reply's stats), in-process."""
+def engine_request(manager, messages: list[dict], settings, abort: threading.Event) -> tuple[float, dict]:
+    """(time to first token in ms, the reply's stats) of a request of `messages`, in-process."""
+    update = _last_update(manager, messages, settings, abort)
+    return update.stats["ttft_ms"], update.stats
+
+
+def _last_update(manager, messages: list[dict], settings, abort: threading.Event):
     with closing(manager.stream(messages, settings)) as updates:
         for update in updates:
             if abort.is_set():
                 raise Aborted
+    return update
+
+
+def _next_engine_request(manager, requests: UserRequests, settings, abort: threading.Event) -> tuple[float, dict]:
+    """engine_request of the user's next request, whose answer goes into the user's conversation."""
+    update = _last_update(manager, requests.next_messages(), settings, abort)
+    requests.answered(answer_text(update))
     return update.stats["ttft_ms"], update.stats
 
 
@@ -29,7 +41,7 @@ def engine_requester(manager, workload, settings, user: int):
     """User `user`'s requests of `workload` (its conversation opened first, if a follow-up), in-process."""
     requests = UserRequests(workload, user)
     requests.open(lambda messages: engine_reply(manager, messages, settings)[0])
-    return lambda abort: engine_request(manager, requests.next_messages(), settings, abort)
+    return lambda abort: _next_engine_request(manager, requests, settings, abort)
 
 
 def app_request(client, text: str, paths: list[str], settings, abort: threading.Event) -> tuple[float, dict]:

@@ -3,9 +3,11 @@ messages, one user's run of requests, and those messages as the OpenAI-compatibl
 
 Messages are the engine's (app.chat): {"role", "content": [{"type": "image" | "video", "path"}, {"type": "text",
 "text"}]}. A follow-up's user opens its conversation once, before the level's clock: its image and a question
-of its own (so that no two users hold the same conversation), answered by the engine; each timed request then
-sends that turn and that answer again, with a new question (never the same twice, so that no request repeats
-a whole earlier prompt).
+of its own (so that no two users hold the same conversation), answered by the engine. In engine mode (and
+app mode, where the server keeps it) each timed request is the next turn of that conversation, which grows
+by each question and its answer, as a chat's does; the OpenAI-style modes send the opening and its answer
+again each time with a new question. No question is sent twice, so that no request repeats a whole earlier
+prompt.
 """
 
 import base64
@@ -113,6 +115,7 @@ class UserRequests:
     def __init__(self, workload: Workload, user: int):
         self.workload, self.user = workload, user
         self.opening: list[dict] = []
+        self.last: list[dict] = []
         self.sent = 0
 
     def open(self, answer) -> None:
@@ -124,17 +127,28 @@ class UserRequests:
 
     def next_messages(self) -> list[dict]:
         self.sent += 1
-        return self.opening + [self.workload.timed_turn(self.user, self.sent)]
+        self.last = self.opening + [self.workload.timed_turn(self.user, self.sent)]
+        return self.last
+
+    def answered(self, text: str) -> None:
+        """A follow-up's conversation goes on from the last request and `text`, its answer (engine mode)."""
+        if self.workload.follow_up:
+            self.opening = self.last + [assistant_turn(text)]
 
 
 def engine_reply(manager, messages: list[dict], settings) -> tuple[str, dict]:
     """The engine's whole reply to `messages`: its text as the UI puts it into the conversation, and its stats."""
-    from app.chat import reply_text, strip_reasoning
-
     with closing(manager.stream(messages, settings)) as updates:
         for update in updates:
             pass
-    return strip_reasoning(reply_text(update.text, update.opens_thinking)), update.stats
+    return answer_text(update), update.stats
+
+
+def answer_text(update) -> str:
+    """A reply's last update as the UI puts it into the conversation."""
+    from app.chat import reply_text, strip_reasoning
+
+    return strip_reasoning(reply_text(update.text, update.opens_thinking))
 
 
 def text_and_files(turn: dict) -> tuple[str, list[str]]:

@@ -80,6 +80,13 @@ def main() -> None:
     close(text_kernels.silu_and_mul(gate_up), text_ops.silu_and_mul(gate_up), "silu_and_mul")
     checked.append("silu_and_mul")
 
+    # One row, its outputs and inputs off the blocks.
+    x, weight = random(1, 1100), random(40, 1100)
+    close(text_kernels.linear(x, weight), F.linear(x, weight), "linear", atol=1e-4)
+    x, weight = x.bfloat16(), weight.bfloat16()  # within a step of the output in bf16 (0.25 at 32-64)
+    close(text_kernels.linear(x, weight).float(), F.linear(x.float(), weight.float()), "linear bf16", atol=0.26)
+    checked.append("linear")
+
     heads, kv_heads, head_dim = 4, 2, 64
     projection = random(n, heads * 2 * head_dim + 2 * kv_heads * head_dim)
     q_norm, k_norm = 1 + random(head_dim), 1 + random(head_dim)

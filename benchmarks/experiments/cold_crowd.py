@@ -19,7 +19,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.concurrency import engine_request, run_level  # noqa: E402
+from benchmarks.concurrency import run_level  # noqa: E402
+from benchmarks.requesters import engine_request  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 
 

@@ -151,14 +151,14 @@ class _DeltaNetLayer:
 
     def decode(self, hidden, store, rows: Rows):
         n = hidden.shape[0]
-        projection = F.linear(hidden, self.in_weight)
+        projection = text_ops.linear(hidden, self.in_weight)
         qkv = text_ops.conv_step(projection, self.channels, store.conv[self.index][:n], self.conv_weight)
         attended = text_ops.gated_delta_step(qkv, projection, self.beta_column, self.decay_column, self.a_log,
                                              self.dt_bias, store.recurrent[self.index][:n], self.key_heads)
         return self._out(attended, projection)
 
     def prefill(self, hidden, store, rows: Rows):
-        projection = F.linear(hidden, self.in_weight)
+        projection = text_ops.linear(hidden, self.in_weight)
         qkv = text_ops.packed_conv(projection, self.channels, self.conv_weight, rows.places)
         tails = (projection[rows.tail_rows, :self.channels] * rows.tail_exists[..., None]).transpose(1, 2)
         store.ensure_layer(store.conv, self.index, tails, columns=False).index_copy_(0, rows.prompt_slots, tails)
@@ -167,7 +167,7 @@ class _DeltaNetLayer:
     def prefill_continued(self, hidden, store, rows: ContinuedRows):
         """prefill for prompts that go on from their slots' states: the convolution reads each slot's kept
         inputs before the new ones, and the delta rule starts from each slot's recurrent state."""
-        projection = F.linear(hidden, self.in_weight)
+        projection = text_ops.linear(hidden, self.in_weight)
         conv_state = store.conv[self.index].index_select(0, rows.prompt_slots).transpose(1, 2)  # [prompts, width, channels]
         inputs = projection.new_empty((rows.conv_places.shape[0], self.channels))
         inputs[rows.conv_state_rows] = conv_state.reshape(-1, self.channels).to(inputs.dtype)
@@ -197,7 +197,7 @@ class _DeltaNetLayer:
 
     def _out(self, attended, projection):
         gated = text_ops.gated_rms_norm(attended, projection, self.gate_column, self.norm_weight, self.norm_eps)
-        return F.linear(gated, self.out_weight)
+        return text_ops.linear(gated, self.out_weight)
 
 
 class _AttentionLayer:
@@ -218,7 +218,7 @@ class _AttentionLayer:
 
     def _inputs(self, hidden, rows: Rows, keys, values):
         """(the merged projection, the queries); the rows' keys and values are written into the store."""
-        projection = F.linear(hidden, self.in_weight)
+        projection = text_ops.linear(hidden, self.in_weight)
         query = text_ops.attention_inputs(projection, self.heads, self.kv_heads, self.head_dim, self.q_norm,
                                           self.k_norm, self.eps, self.inv_freq, self.rope_scaling, rows.rope_positions,
                                           rows.slots, rows.columns, keys, values)
@@ -228,7 +228,7 @@ class _AttentionLayer:
         keys, values = store.keys[self.index], store.values[self.index]
         projection, query = self._inputs(hidden, rows, keys, values)
         attended = text_ops.attend(query, keys, values, rows.columns, self.scaling, projection)
-        return F.linear(attended, self.out_weight)
+        return text_ops.linear(attended, self.out_weight)
 
     def prefill(self, hidden, store, rows: Rows):
         like = hidden.new_empty((1, self.kv_heads, 0, self.head_dim))
@@ -246,7 +246,7 @@ class _AttentionLayer:
         projection, query = self._inputs(hidden, rows, keys, values)
         attended = self._attend_padded(query, keys, values, rows) if rows.sees is not None \
             else self._attend_packed(query, keys, values, slots, starts, rows.lengths)
-        return F.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
+        return text_ops.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
 
     def _attend_packed(self, query, keys, values, slots, starts: list[int], lengths: list[int]):
         """Each prompt's attention over the keys and values of its slot up to each of its tokens: its
@@ -290,7 +290,7 @@ class _MLP:
         self.down_weight = mlp.down_proj.weight
 
     def __call__(self, hidden):
-        return F.linear(text_ops.silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+        return text_ops.linear(text_ops.silu_and_mul(text_ops.linear(hidden, self.gate_up_weight)), self.down_weight)
 
 
 class FusedTextModel:
@@ -366,4 +366,4 @@ class FusedTextModel:
 
     def _logits(self, hidden, residual):
         normed, _ = text_ops.add_rms_norm(hidden, residual, self.final_norm, self.eps)
-        return self.lm_head(normed)
+        return text_ops.linear(normed, self.lm_head.weight)

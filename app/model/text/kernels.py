@@ -338,3 +338,38 @@ def attend(query, keys, values, positions, scale, projection):
     _attention_join_kernel[(n, heads)](part, part_lse, projection, projection.stride(0), out, HEADS=heads, D=head_dim,
                                        PARTS=parts)
     return out
+
+
+@triton.jit
+def _one_row_linear_kernel(x_ptr, weight_ptr, out_ptr, out_features, in_features,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[BLOCK_N outputs] = weight[outputs] @ x for one row x: a GEMV, each weight row read once."""
+    outputs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    output_mask = outputs < out_features
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, in_features, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_mask = cols < in_features
+        weight = tl.load(weight_ptr + outputs.to(tl.int64)[:, None] * in_features + cols[None, :],
+                         mask=output_mask[:, None] & col_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
+        total += tl.sum(weight.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + outputs, total.to(out_ptr.dtype.element_ty), mask=output_mask)
+
+
+def one_row_layout(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """(outputs, inputs a step, warps) of a program of _one_row_linear_kernel: two outputs, so that there
+    are programs enough for every SM to keep many weight loads in flight, and up to 2048 inputs a step,
+    the best of the layouts swept on an H200 at the 4.6 shapes (docs/DECISIONS.md D44)."""
+    step = min(2048, triton.next_power_of_2(in_features))
+    return 2, step, 4 if step <= 1024 else 8
+
+
+def linear(x, weight, layout=None):
+    """x [1, in] @ weight [out, in].T (a decode step of one reply), in x's dtype."""
+    out_features, in_features = weight.shape
+    outputs, step, warps = layout or one_row_layout(out_features, in_features)
+    out = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
+    _one_row_linear_kernel[(triton.cdiv(out_features, outputs),)](
+        x, weight, out, out_features, in_features, BLOCK_N=outputs, BLOCK_K=step, num_warps=warps)
+    return out

@@ -16,6 +16,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from app import tuning
+
 log = logging.getLogger(__name__)
 
 
@@ -180,6 +182,15 @@ def gated_rms_norm(x: torch.Tensor, projection: torch.Tensor, gate_column: int, 
     normed = _rms_normalized(heads, eps).to(x.dtype) * weight
     gate = projection[:, gate_column:gate_column + width].reshape(heads.shape).float()
     return (normed * F.silu(gate)).to(x.dtype).reshape(n, width)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ weight [out, in].T: for one row on CUDA the one-row kernel (tuning.ONE_ROW_LINEAR), otherwise
+    PyTorch's (cuBLAS)."""
+    kernels = _kernels_for(x)
+    if kernels is not None and tuning.ONE_ROW_LINEAR and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous():
+        return kernels.linear(x, weight)
+    return F.linear(x, weight)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
