@@ -10,7 +10,8 @@ Each request: exactly --new-tokens new tokens, greedy, after what --workload say
               assistant: the engine's answer to it, user: a new question]. Each user opens its conversation
               (a first question of its own, answered by the engine) before the level's clock; each timed
               request is the next turn of the user's one conversation, which grows by each question and its
-              answer, as a chat's does (see prompt_tokens). In app mode /ask keeps the conversation in the
+              answer, as a chat's does (see prompt_tokens), for 10 turns, then starts again from its
+              opening. In app mode /ask keeps the conversation in the
               server (settings follow_up); the OpenAI-style modes send the opening again each time, with a
               question not sent before,
   video-16    a 16-frame video (a 16 s synthetic mp4, sampled at 1 frame a second, at most 16) and a question.
@@ -53,7 +54,7 @@ from benchmarks.cpu_use import CpuUse  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from benchmarks.requesters import engine_requester  # noqa: E402
 from benchmarks.users import CLIENT_PROCESSES, drive_users, opened_users, run_clients  # noqa: E402
-from benchmarks.workloads import WORKLOADS, make_workload  # noqa: E402
+from benchmarks.workloads import FOLLOW_UP_TURNS, WORKLOADS, make_workload  # noqa: E402
 
 
 def percentile(values: list[float], fraction: float) -> float | None:
@@ -210,6 +211,15 @@ def summary_table(levels: list[dict]) -> str:
     return "\n".join(rows)
 
 
+# How a follow-up user's conversation goes on, by mode (benchmarks/workloads.py).
+CONVERSATIONS = {
+    "engine": f"grows by each turn, {FOLLOW_UP_TURNS} turns at most, then starts again from its opening",
+    "app": "grows by each turn (/ask follow_up)",
+    "openai": "each request the opening, its answer and a new question",
+    "openai-http": "each request the opening, its answer and a new question",
+}
+
+
 def run_workload(args, name: str, config, manager, levels: list[int], first_user: int, url, web, fronts) -> dict:
     """Every level of workload `name`, its users numbered from `first_user`: the report."""
     import torch
@@ -235,7 +245,7 @@ def run_workload(args, name: str, config, manager, levels: list[int], first_user
         **({"client_switch_interval_s": args.client_switch_interval} if app else {}),
         "workload": name, "new_tokens": args.new_tokens,
         "image_format": workload.media["path"].rsplit(".", 1)[1] if workload.media else None,
-        **({"conversation": "grows by each turn (/ask follow_up)"} if workload.follow_up and args.mode == "app" else {}),
+        **({"conversation": CONVERSATIONS[args.mode]} if workload.follow_up else {}),
         # One request of the workload through the engine, before the levels: what each one holds.
         "request": request_shape(make_requester(0)), "duration_s": args.duration, "levels": [],
     }
@@ -263,7 +273,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--workload", default="image-1344",
                         help=f"what each request holds (see above): one of {', '.join(WORKLOADS)}, or several, comma-separated "
-                             "(run one after the other on the same engine; --json then holds a report for each)")
+                             "(engine mode only: run one after the other on the same engine, which keeps its conversations and grown "
+                             "slot store from one to the next; --json then holds a report for each)")
     parser.add_argument("--image-format", choices=["png", "jpeg"],
                         help="image-1344 and follow-up: the 1344x1344 image as a noise PNG (5.4 MB; image-1344's default, "
                              "as in RESULTS.md) or the same as a JPEG (1.3 MB; follow-up's default)")

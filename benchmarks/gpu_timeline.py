@@ -68,8 +68,8 @@ def main() -> None:
     _, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     stop_at = time.time() + args.settle + 2 * args.seconds + 6.5  # the profile starts 1.5 s after its call
-    users = threading.Thread(target=drive_users, daemon=True, args=(
-        args.users, stop_at, stop_at + 30, lambda: lambda abort: engine_request(manager, messages, settings, abort)))
+    requesters = [lambda abort: engine_request(manager, messages, settings, abort)] * args.users
+    users = threading.Thread(target=drive_users, daemon=True, args=(requesters, stop_at, stop_at + 30))
     users.start()
     time.sleep(args.settle)
     start = manager.metrics.snapshot()

@@ -3,9 +3,10 @@ model's one-row Triton kernel (app.model.text.kernels.linear), at the real MiniC
 
 Each shape's weights are as many distinct matrices as the model has of it (24 copies at most, so that
 they do not sit in the GPU's L2 cache between products, as in a step), run back to back in one captured
-CUDA graph; the time is the median of --runs replays. Each row gives the GB/s of weights read and how far
-that is from the floor (bytes / 4.2 TB/s). The kernel's layouts are also swept (outputs a program, inputs
-a step, warps) beside the chosen one (one_row_layout). Needs a GPU:
+CUDA graph; the time is the median of --runs replays. Each row gives the TB/s of weights read and how far
+that is from the floor the benchmarks use (bytes / 4.2 TB/s; the output layer was read at 4.3). The
+kernel's layouts are also swept (outputs a program, inputs a step, warps) beside the chosen one
+(one_row_layout). Needs a GPU:
 
     python benchmarks/one_row_linear.py --runs 50 --json one_row.json
 """

@@ -3,9 +3,10 @@ messages, one user's run of requests, and those messages as the OpenAI-compatibl
 
 Messages are the engine's (app.chat): {"role", "content": [{"type": "image" | "video", "path"}, {"type": "text",
 "text"}]}. A follow-up's user opens its conversation once, before the level's clock: its image and a question
-of its own (so that no two users hold the same conversation), answered by the engine. In engine mode (and
-app mode, where the server keeps it) each timed request is the next turn of that conversation, which grows
-by each question and its answer, as a chat's does; the OpenAI-style modes send the opening and its answer
+of its own (so that no two users hold the same conversation), answered by the engine. In engine mode each
+timed request is the next turn of that conversation, which grows by each question and its answer, as a
+chat's does, for FOLLOW_UP_TURNS turns, then starts again from its opening (in app mode the server keeps
+it, and it grows for the whole level); the OpenAI-style modes send the opening and its answer
 again each time with a new question. No question is sent twice, so that no request repeats a whole earlier
 prompt.
 """
@@ -108,13 +109,20 @@ def assistant_turn(text: str) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
 
 
+# A follow-up's conversation grows by this many turns at most, then starts again from its opening, so that
+# a level's prompts stay near a chat's (about 2,600 tokens at the 4.6 shape, 128 new tokens a turn) however
+# long it runs.
+FOLLOW_UP_TURNS = 10
+
+
 class UserRequests:
-    """One user's requests of `workload`: the same opening each time (a follow-up's image turn and its
-    answer), then the request's own last turn."""
+    """One user's requests of `workload`: its opening (a follow-up's image turn and its answer, and the turns
+    since, see answered), then the request's own last turn."""
 
     def __init__(self, workload: Workload, user: int):
         self.workload, self.user = workload, user
         self.opening: list[dict] = []
+        self.first_turns: list[dict] = []
         self.last: list[dict] = []
         self.sent = 0
 
@@ -123,7 +131,7 @@ class UserRequests:
         the other workloads)."""
         if self.workload.follow_up:
             first = self.workload.opening_turn(self.user)
-            self.opening = [first, assistant_turn(answer([first]))]
+            self.opening = self.first_turns = [first, assistant_turn(answer([first]))]
 
     def next_messages(self) -> list[dict]:
         self.sent += 1
@@ -131,9 +139,11 @@ class UserRequests:
         return self.last
 
     def answered(self, text: str) -> None:
-        """A follow-up's conversation goes on from the last request and `text`, its answer (engine mode)."""
+        """A follow-up's conversation goes on from the last request and `text`, its answer (engine mode), up to
+        FOLLOW_UP_TURNS turns; then from its first turns again."""
         if self.workload.follow_up:
-            self.opening = self.last + [assistant_turn(text)]
+            grown = self.last + [assistant_turn(text)]
+            self.opening = grown if len(grown) < len(self.first_turns) + 2 * FOLLOW_UP_TURNS else self.first_turns
 
 
 def engine_reply(manager, messages: list[dict], settings) -> tuple[str, dict]:

@@ -78,7 +78,7 @@ def main() -> None:
     for round_number in range(1, args.rounds + 1):
         sampler = StackSampler("scheduler")
         level = run_level(args.users, args.duration, args.grace, manager.metrics,
-                          lambda: (lambda abort: engine_request(manager, messages, settings, abort)))
+                          lambda user: (lambda abort: engine_request(manager, messages, settings, abort)))
         sampler.stop()
         print(json.dumps({"round": round_number, **level}), flush=True)
         for share, stack in sampler.top(args.stacks):

@@ -3,8 +3,8 @@ token per sequence) and its prefill (prompts packed back to back).
 
 Through transformers' layers a decode step of MiniCPM-V 4.6's text model (Qwen3.5: 18 gated-DeltaNet
 and 6 full-attention layers) is about 1,540 small kernels, 2.4 us each on an H200 even when replayed as a
-CUDA graph: 4.1 ms a step against a 0.36 ms floor. Here a layer is ten kernels (272 a step, 1.17 ms at
-batch 1; docs/DECISIONS.md D20): the projections of a layer are one matrix product (its weights
+CUDA graph: 4.1 ms a step against a 0.36 ms floor. Here a layer is ten kernels (249 a step, 0.90 ms at
+batch 1 with the one-row products of D44; docs/DECISIONS.md D20): the projections of a layer are one matrix product (its weights
 concatenated once at load, the modules keeping views into them, so transformers' path still works and
 no memory is added), and everything between the products is one kernel each (app.model.text.ops).
 Sequences read and write their state in the slot store in place (app.model.batch_cache), and

@@ -188,7 +188,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [n, in] @ weight [out, in].T: for one row on CUDA the one-row kernel (tuning.ONE_ROW_LINEAR), otherwise
     PyTorch's (cuBLAS)."""
     kernels = _kernels_for(x)
-    if kernels is not None and tuning.ONE_ROW_LINEAR and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous():
+    if kernels is not None and tuning.ONE_ROW_LINEAR and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous():
         return kernels.linear(x, weight)
     return F.linear(x, weight)
 
