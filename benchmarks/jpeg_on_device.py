@@ -2,7 +2,7 @@
 the engine making JPEGs' pixels on the GPU (MINICPMV_JPEG_ON_DEVICE=1: nvJPEG, then the processor's resize
 and slices, app/model/jpegs.py) and not (0: the preparers decode every image), each engine in a process of
 its own as `python app.py` runs it; where each request's time went; and how far the GPU path's pixels are
-from the CPU path's (docs/DECISIONS.md D42). Random weights at the real MiniCPM-V 4.6 shape. On a GPU machine:
+from the CPU path's (docs/DECISIONS.md D43). Random weights at the real MiniCPM-V 4.6 shape. On a GPU machine:
 
     python benchmarks/jpeg_on_device.py --runs 30 --json jpeg.json
 """

@@ -76,7 +76,8 @@ class ConversationCache:
     def find(self, prepared) -> KeptConversation | None:
         """The longest kept conversation `prepared` (app.engine.inputs.PreparedInputs) goes on from, or None.
         Only the starts of its last LOOKED_AT_TURNS turns are looked at: that is where states are kept, and a
-        follow-up, a Retry, an Undo or an edit of a recent turn goes on from one of them. Their keys are made before the lock is taken: the scheduler's thread waits on it."""
+        follow-up, a Retry, an Undo or an edit of a recent turn goes on from one of them. Their keys are made
+        before the lock is taken: the scheduler's thread waits on it."""
         if not self._kept or not prepared.turn_starts:
             return None
         tokens = _token_bytes(prepared)
