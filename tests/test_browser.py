@@ -55,6 +55,27 @@ def chat_text(page) -> str:
     return page.locator("#chat").inner_text()
 
 
+def reply_after(page, question: str) -> str:
+    """The chat's text after `question`; empty until the question is on the page (before it, the chat's
+    placeholder would pass for a reply)."""
+    text = chat_text(page)
+    return text.split(question)[-1] if question in text else ""
+
+
+def settled_reply_after(page, question: str, quiet_s: float = 1.0, timeout_s: float = 30) -> str | None:
+    """reply_after once it has not changed for `quiet_s` (a reply's reasoning block folds when marked done),
+    or None if it kept changing for `timeout_s`."""
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        text = reply_after(page, question)
+        if text != last:
+            last, since = text, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return text
+        time.sleep(0.05)
+    return None
+
+
 def ask_about_an_image(page, image: str) -> list[int]:
     """Attach `image`, ask about it, and follow the reply until its stats line: the chat's lengths seen."""
     page.locator("#chat-input input[type=file]").set_input_files(image)
@@ -165,7 +186,8 @@ def test_stop_button_halts_generation(page, manager):
     page.locator("#chat-input textarea").press("Enter")
     assert wait_for(lambda: manager.active_generations == 1, 30), "the reply never reached the engine"
     # Part of the reply has streamed to the page (however slow the machine).
-    assert wait_for(lambda: chat_text(page).split(question)[-1].strip(), 60), "no part of the reply reached the page"
+    assert wait_for(lambda: reply_after(page, question).strip(), 60), (
+        f"no part of the reply reached the page: {manager.metrics.snapshot().get('tokens_generated')} tokens generated")
     assert manager.active_generations == 1
     # Streaming: Stop in place of Send (the box's update can render a moment after the chat's on a busy machine).
     assert wait_for(lambda: (send.count(), stop.count()) == (0, 1), 10)
@@ -176,11 +198,12 @@ def test_stop_button_halts_generation(page, manager):
     stopped.wait_for(timeout=30_000)  # marked, with its stats so far
     assert wait_for(lambda: (send.count(), stop.count()) == (1, 0), 10)
     assert page.get_by_text(STATS_LINE).count() == stats_lines + 1
-    # Only the text after the question: an earlier reply's finished reasoning block may fold meanwhile.
-    stopped_reply = chat_text(page).split(question)[-1]
+    # Once still: the random model's reply can hold a reasoning block of its own, which folds when marked done.
+    stopped_reply = settled_reply_after(page, question)
+    assert stopped_reply is not None, "the stopped reply kept changing"
     assert stopped_reply.strip()  # what had streamed stays on the page
     page.wait_for_timeout(500)
-    assert chat_text(page).split(question)[-1] == stopped_reply  # and nothing more arrives
+    assert reply_after(page, question) == stopped_reply  # and nothing more arrives
     page.screenshot(path=os.path.join(ARTIFACTS, "stopped.png"), full_page=True)
 
 
