@@ -107,9 +107,12 @@ def test_fused_prefill_gives_transformers_logits_and_state(config, tmp_path):
             for mine, theirs in zip(ours, snapshot(store)):
                 assert mine.keys() == theirs.keys()
                 for layer in theirs:
-                    # 1e-4: on an AMD EPYC core a few state entries of about 0.04 differ by 3e-5 (the order of
-                    # fp32 sums differs with the CPU's vector width).
-                    torch.testing.assert_close(mine[layer][slot], theirs[layer][slot], rtol=1e-4, atol=1e-4)
+                    # Within 2e-4 of the state's largest entry: a few keys of the 70-token prompt differ by
+                    # up to 2e-4 (values to 4e-4), as much between transformers' own fp32 and fp64 layers;
+                    # how much varies with the CPU (the order of fp32 sums follows its vector width).
+                    scale = float(theirs[layer][slot].abs().max().clamp_min(1))
+                    torch.testing.assert_close(mine[layer][slot], theirs[layer][slot], rtol=1e-4,
+                                               atol=2e-4 * scale)
 
 
 class LinearSubclass(torch.nn.Linear):  # as bitsandbytes' 4-bit layers are

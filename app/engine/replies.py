@@ -40,31 +40,48 @@ def preparation_stages(requested_at: float, timeline: dict, prepared_at: float) 
 
 
 class TextAssembler:
-    """Token ids in, text out: holds back a piece that ends inside a multi-byte character, and
-    re-decodes only the tokens since the last line break (decoding is not token-by-token separable)."""
+    """Token ids in, text out, a piece at a time as vLLM's incremental detokenizer does: each piece decodes
+    only a short window of the last tokens, since decoding is not token-by-token separable (a character
+    split over tokens), and a piece that ends inside a multi-byte character waits for the rest of it."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.ids: list[int] = []
         self.done_text = ""
-        self.line_tokens: list[int] = []
-        self.tokens = 0  # added so far
+        # The window: ids[window:said] gave the text's last piece, ids[said:] are not in done_text yet.
+        self.window = self.said = 0
+
+    @property
+    def tokens(self) -> int:
+        """Added so far."""
+        return len(self.ids)
 
     def add(self, token: int) -> None:
-        self.tokens += 1
-        self.line_tokens.append(token)
-        line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True)
-        if line.endswith("\n"):
-            self.done_text += line
-            self.line_tokens = []
+        self.extend((token,))
+
+    def extend(self, tokens) -> None:
+        self.ids.extend(tokens)
+        piece = self._unsaid()
+        if piece and not piece.endswith("\ufffd"):
+            self.done_text += piece
+            self.window, self.said = self.said, len(self.ids)
+
+    def _unsaid(self) -> str:
+        """The text of ids[said:], decoded with the window's tokens before them."""
+        if self.said == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.window:self.said], skip_special_tokens=True)
+        return decode(self.ids[self.window:], skip_special_tokens=True)[len(before):]
 
     @property
     def text(self) -> str:
-        line = self.tokenizer.decode(self.line_tokens, skip_special_tokens=True) if self.line_tokens else ""
-        return self.done_text + line.rstrip("\ufffd")
+        return self.done_text + self._unsaid().rstrip("\ufffd")
 
     def cut(self, length: int) -> None:
-        """Keep the first `length` characters of the text and nothing more (tokens added later are dropped)."""
-        self.done_text, self.line_tokens = self.text[:length], []
+        """Keep the first `length` characters of the text: the reply ends there (a stop text began)."""
+        self.done_text = self.text[:length]
+        self.window = self.said = len(self.ids)
 
 
 class StopTexts:
@@ -92,6 +109,9 @@ class StopTexts:
 
 def _add_tokens(text: TextAssembler, tokens: list[int], stops: StopTexts | None) -> bool:
     """Add `tokens` to the text; True if a stop text ended the reply (the text is then cut before it)."""
+    if stops is None:
+        text.extend(tokens)
+        return False
     for token in tokens:
         text.add(token)
         if stops is not None:
