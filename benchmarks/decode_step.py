@@ -93,8 +93,7 @@ def main() -> None:
         prompt = torch.randint(1000, 100000, (1, args.prompt_tokens))
         runner.store.reserve(max(batches), room)
         runner.prefill([(prompt, None, None)], 0, room)
-        for slot in range(1, max(batches)):
-            runner.store.move(0, slot)
+        runner.store.move([0] * (max(batches) - 1), list(range(1, max(batches))))
         start_lengths = runner.store.lengths.clone()
 
         def snapshot():

@@ -3,6 +3,7 @@ handed out, and what that step chose still counts for the next one's choice."""
 
 import torch
 
+from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.model.sampling import choose
 from app.engine.scheduler import Request, Scheduler
@@ -30,7 +31,7 @@ class SameLogits:
     def tokens_on_device(self, tokens):
         return torch.tensor(tokens)
 
-    def move(self, source: int, target: int) -> None:
+    def move(self, sources: list[int], targets: list[int], columns: int) -> None:
         pass
 
 
@@ -82,3 +83,60 @@ def test_a_token_in_flight_is_already_seen_by_the_repetition_penalty():
     decode_to_the_end(scheduler)
     # Each token once while an unseen one scores higher than every seen one halved (5 / 2 = 2.5 > 2).
     assert request.generated == [3, 4, 5, 6, 3, 3]
+
+
+class SlotContents(SameLogits):
+    """A stand-in whose slots hold the request that was put in each: moves copy what a slot holds."""
+
+    def __init__(self, requests: list[Request]):
+        super().__init__([0])
+        self.slots = list(requests)
+        self.moves = []
+
+    def move(self, sources: list[int], targets: list[int], columns: int) -> None:
+        self.moves.append((sources, targets, columns))
+        for source, target in zip(sources, targets):
+            self.slots[target] = self.slots[source]
+
+
+def test_requests_that_leave_free_their_slots_in_one_move_and_the_rest_stay_dense():
+    scheduler = Scheduler(max_batch=8, max_waiting=0, metrics=EngineMetrics())
+    requests = [Request(messages=[], prepared=PreparedInputs(tensors={}, prompt_tokens=10 * (i + 1)),
+                        settings=GenerationSettings(), version=0, requested_at=0.0, emit=lambda kind, value: None)
+                for i in range(7)]
+    for request, generated in zip(requests, (3, 1, 4, 1, 5, 9, 2)):
+        request.generated = [7] * generated
+    scheduler.runner = SlotContents(requests)
+    scheduler._running = list(requests)
+    leaving = {requests[i] for i in (1, 2, 5)}
+    scheduler._leave(lambda request: request in leaving)
+    staying = [request for request in requests if request not in leaving]
+    assert sorted(scheduler._running, key=requests.index) == staying
+    assert scheduler.runner.slots[:len(staying)] == scheduler._running  # each request holds its own slot
+    # The two past the last staying slot move, in one call, with room for the longer of them (70 + 2 tokens).
+    assert scheduler.runner.moves == [([4, 6], [1, 2], 72)]
+    last = scheduler._running[-1]
+    scheduler._leave(lambda request: request is last)  # the last slot: nothing moves
+    assert len(scheduler.runner.moves) == 1 and last not in scheduler._running
+
+
+def test_slot_moves_copy_every_layers_state_at_once():
+    from app.model.batch_cache import SlotStore
+
+    store = SlotStore(torch.device("cpu"))
+    store.reserve(8, 16)  # capacities grow by doubling: 8 slots
+    generator = torch.Generator().manual_seed(0)
+    store.keys[3] = torch.randn((8, 2, 16, 4), generator=generator)
+    store.values[3] = torch.randn((8, 2, 16, 4), generator=generator)
+    store.recurrent[0] = torch.randn((8, 2, 4, 4), generator=generator)
+    store.conv[0] = torch.randn((8, 8, 4), generator=generator)
+    store.lengths[:] = torch.tensor([5, 6, 7, 8, 9, 10, 0, 0])
+    before = {name: tensor.clone() for name, tensor in
+              (("keys", store.keys[3]), ("values", store.values[3]), ("recurrent", store.recurrent[0]), ("conv", store.conv[0]))}
+    store.move([4, 5], [0, 2], columns=10)
+    assert store.lengths.tolist() == [9, 6, 10, 8, 9, 10, 0, 0]
+    for name, tensor in (("keys", store.keys[3]), ("values", store.values[3])):
+        assert torch.equal(tensor[[0, 2], :, :10], before[name][[4, 5], :, :10]), name
+        assert torch.equal(tensor[[1, 3, 4, 5]], before[name][[1, 3, 4, 5]]), name
+    for name, tensor in (("recurrent", store.recurrent[0]), ("conv", store.conv[0])):
+        assert torch.equal(tensor[[0, 2]], before[name][[4, 5]]) and torch.equal(tensor[1], before[name][1]), name

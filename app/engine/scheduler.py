@@ -69,6 +69,11 @@ class Request:
     delivered_at: float = 0.0
     place: int | None = None
 
+    @property
+    def tokens_held(self) -> int:
+        """At least as many tokens as its slot holds: its prompt, and a column for each token since the first."""
+        return self.prepared.prompt_tokens + len(self.generated)
+
     @functools.cached_property
     def row(self) -> RowSettings:
         s = self.settings
@@ -377,16 +382,18 @@ class Scheduler:
             request.emit(ReplyEvent.ERROR, error)
 
     def _leave(self, leaves: Callable[[Request], bool]) -> None:
-        """Free the slots of requests for which `leaves` is true, keeping running slots dense."""
+        """Free the slots of requests for which `leaves` is true, keeping running slots dense: the requests
+        past the last slot that stays move into the freed slots below it, all in one move."""
         with self._changed:
-            for index in reversed(range(len(self._running))):
-                if not leaves(self._running[index]):
-                    continue
-                last = len(self._running) - 1
-                if index != last:
-                    self.runner.move(last, index)
-                    self._running[index] = self._running[last]
-                self._running.pop()
+            leaving = [leaves(request) for request in self._running]
+            staying = leaving.count(False)
+            holes = [slot for slot in range(staying) if leaving[slot]]
+            movers = [slot for slot in range(staying, len(leaving)) if not leaving[slot]]
+            if movers:
+                self.runner.move(movers, holes, max(self._running[slot].tokens_held for slot in movers))
+                for hole, mover in zip(holes, movers):
+                    self._running[hole] = self._running[mover]
+            del self._running[staying:]
             self._changed.notify_all()
 
 

@@ -215,8 +215,9 @@ class BatchRunner:
     def tokens_on_device(self, tokens: list[int]) -> torch.Tensor:
         return on_device(tokens, torch.long, self.device)
 
-    def move(self, source: int, target: int) -> None:
-        self.store.move(source, target)
+    def move(self, sources: list[int], targets: list[int], columns: int) -> None:
+        """Slot sources[i] into slot targets[i], for every i, each holding at most `columns` tokens (SlotStore.move)."""
+        self.store.move(sources, targets, columns)
 
     def warm_up_shapes(self, max_rows: int, token_budget: int) -> list[tuple[int, int]]:
         """Run every shape the scheduler can use once, so that kernels built per shape (Triton's, on

@@ -45,7 +45,7 @@ class FixedLogits:
 
         return torch.tensor(tokens)
 
-    def move(self, source: int, target: int) -> None:
+    def move(self, sources: list[int], targets: list[int], columns: int) -> None:
         pass
 
 

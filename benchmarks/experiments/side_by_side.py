@@ -63,8 +63,7 @@ def main() -> None:
         room = tuning.RESERVED_COLUMNS  # as served: the steps below stay within it (lengths are reset)
         runner.store.reserve(args.batch, room)
         runner.prefill([(prepared.tensors["input_ids"], runner.encode_media(wave[:1])[0], prepared.canvas)], 0, room)
-        for slot in range(1, args.batch):
-            runner.store.move(0, slot)
+        runner.store.move([0] * (args.batch - 1), list(range(1, args.batch)))
         start_lengths = runner.store.lengths.clone()
         tokens = torch.randint(1000, 100000, (args.batch,))
 
