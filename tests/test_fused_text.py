@@ -213,3 +213,24 @@ def test_front_padded_prefill_equals_packed_prefill(config, tmp_path):
                                            rtol=1e-3, atol=1e-3)
                 torch.testing.assert_close(ours_v[layer][slot, :, :size], values[layer][slot, :, :size],
                                            rtol=1e-3, atol=1e-3)
+
+
+def test_a_packed_prefills_prompts_attend_in_few_padded_groups_each_row_once():
+    """A wave of like prompts attends in one padded call; a long prompt among short ones attends alone (its
+    padding would be most of the work); every packed row is put back once."""
+    from app.model.text.rows import PackedAttention
+
+    like = [84, 85, 86] * 40
+    plan = PackedAttention.planned(like, [0] * len(like), list(range(len(like))), "cpu")
+    assert len(plan.groups) == 1 and not plan.alone and plan.groups[0].length == 86
+    lengths, starts = [1700, 12, 9, 10, 600, 11], [0, 680, 0, 700, 0, 0]
+    plan = PackedAttention.planned(lengths, starts, [5, 6, 7, 8, 9, 10], "cpu")
+    assert [(slot, length) for slot, _, length, _ in plan.alone] == [(5, 1700), (9, 600)]
+    rows = torch.cat([group.rows for group in plan.groups] +
+                     [torch.arange(at, at + length) for _, _, length, at in plan.alone])
+    assert sorted(rows.tolist()) == list(range(sum(lengths)))
+    for group in plan.groups:  # a padding place sees one column, a token its slot's columns up to its own
+        assert group.sees.any(-1).all() and group.sees.shape == (group.slots.shape[0], group.length, group.columns)
+    continued = next(group for group in plan.groups if 6 in group.slots.tolist())
+    row = continued.slots.tolist().index(6)
+    assert continued.sees[row, 0].nonzero()[-1].item() == 680 and continued.sees[row, 11].nonzero()[-1].item() == 691

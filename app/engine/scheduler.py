@@ -70,8 +70,7 @@ class Request:
     place: int | None = None
 
     @property
-    def tokens_held(self) -> int:
-        """At least as many tokens as its slot holds: its prompt, and a column for each token since the first."""
+    def tokens_held(self) -> int:  # at least as many as its slot holds: the prompt, a column a token since the first
         return self.prepared.prompt_tokens + len(self.generated)
 
     @functools.cached_property
@@ -382,8 +381,7 @@ class Scheduler:
             request.emit(ReplyEvent.ERROR, error)
 
     def _leave(self, leaves: Callable[[Request], bool]) -> None:
-        """Free the slots of requests for which `leaves` is true, keeping running slots dense: the requests
-        past the last slot that stays move into the freed slots below it, all in one move."""
+        """Free the slots of requests for which `leaves` is true; those past the last staying slot move down, in one move."""
         with self._changed:
             leaving = [leaves(request) for request in self._running]
             staying = leaving.count(False)

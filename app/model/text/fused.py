@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 from app.model.text import ops as text_ops
-from app.model.text.rows import ContinuedRows, Rows
+from app.model.text.rows import ContinuedRows, PackedAttention, Rows
 
 log = logging.getLogger(__name__)
 
@@ -234,26 +234,36 @@ class _AttentionLayer:
         like = hidden.new_empty((1, self.kv_heads, 0, self.head_dim))
         keys = store.ensure_layer(store.keys, self.index, like, columns=True)
         values = store.ensure_layer(store.values, self.index, like, columns=True)
-        slots = range(rows.first_slot, rows.first_slot + len(rows.lengths))
-        return self._prefill(hidden, rows, keys, values, slots, [0] * len(rows.lengths))
+        return self._prefill(hidden, rows, keys, values)
 
     def prefill_continued(self, hidden, store, rows: ContinuedRows):
         """prefill for prompts that go on from their slots: each new token attends over its slot's columns
         up to its own, the kept ones first."""
-        return self._prefill(hidden, rows, store.keys[self.index], store.values[self.index], rows.slot_list, rows.starts)
+        return self._prefill(hidden, rows, store.keys[self.index], store.values[self.index])
 
-    def _prefill(self, hidden, rows, keys, values, slots, starts):
+    def _prefill(self, hidden, rows, keys, values):
         projection, query = self._inputs(hidden, rows, keys, values)
         attended = self._attend_padded(query, keys, values, rows) if rows.sees is not None \
-            else self._attend_packed(query, keys, values, slots, starts, rows.lengths)
+            else self._attend_packed(query, keys, values, rows.attention)
         return text_ops.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
 
-    def _attend_packed(self, query, keys, values, slots, starts: list[int], lengths: list[int]):
-        """Each prompt's attention over the keys and values of its slot up to each of its tokens: its
-        `lengths[i]` tokens, packed back to back, after the `starts[i]` its slot held before (causal, where 0)."""
+    def _attend_packed(self, query, keys, values, attention: PackedAttention):
+        """Each prompt's attention over the keys and values of its slot up to each of its tokens (its tokens
+        packed back to back in `query`, after what its slot held before): a group of prompts of like
+        lengths in one padded call (app.model.text.rows.PackedAttention), a prompt alone by itself."""
         group = self.heads // self.kv_heads
-        outputs, at = [], 0
-        for slot, start, length in zip(slots, starts, lengths):
+        attended = query.new_empty((query.shape[0], self.heads * self.head_dim))
+        for batch in attention.groups:
+            prompts, length, columns = batch.slots.shape[0], batch.length, batch.columns
+            own_keys, own_values = (t[:, :, :columns].index_select(0, batch.slots) for t in (keys, values))
+            queries = query.index_select(0, batch.gather).view(prompts, length, self.kv_heads, group, self.head_dim)
+            queries = queries.permute(0, 2, 3, 1, 4).reshape(prompts, self.kv_heads, group * length, self.head_dim)
+            sees = batch.sees[:, None, None].expand(prompts, 1, group, length, columns)
+            out = F.scaled_dot_product_attention(queries, own_keys, own_values, scale=self.scaling,
+                                                 attn_mask=sees.reshape(prompts, 1, group * length, columns))
+            out = out.view(prompts, self.kv_heads, group, length, self.head_dim).permute(0, 3, 1, 2, 4)
+            attended.index_copy_(0, batch.rows, out.reshape(prompts * length, -1).index_select(0, batch.places))
+        for slot, start, length, at in attention.alone:
             end = start + length
             own = query[at:at + length].transpose(0, 1)[None]
             if start:
@@ -261,12 +271,11 @@ class _AttentionLayer:
                 masking = {"attn_mask": sees}
             else:
                 masking = {"is_causal": True}
-            attended = F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 own, keys[slot, :, :end].repeat_interleave(group, dim=0)[None],
                 values[slot, :, :end].repeat_interleave(group, dim=0)[None], scale=self.scaling, **masking)
-            outputs.append(attended[0].transpose(0, 1).reshape(length, -1))
-            at += length
-        return torch.cat(outputs)
+            attended[at:at + length] = out[0].transpose(0, 1).reshape(length, -1)
+        return attended
 
     def _attend_padded(self, query, keys, values, rows):
         """Each padded row's attention over its slot's first columns (as many as rows.sees has), masked by

@@ -15,6 +15,79 @@ def in_one_copy(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
     return list(host.to(device, non_blocking=True).split([len(part) for part in parts]))
 
 
+# A packed prefill's prompts attend in padded groups (PackedAttention): a group may pad to at most GROUP_WASTE
+# times its prompts' own attention area (each prompt's tokens x the columns it reads) plus GROUP_SLACK, and
+# to at most GROUP_AREA places in all (its mask, a bool each, times the query heads sharing a key head).
+GROUP_WASTE = 1.25
+GROUP_SLACK = 4096
+GROUP_AREA = 2**24
+
+
+@dataclass
+class AttentionGroup:
+    """Prompts of a packed prefill that attend together, each padded at its end to `length` rows, over
+    their slots' first `columns` columns: `gather` takes each padded place's packed row (row 0 on
+    padding), `sees` masks [prompts, length, columns], and `places` / `rows` put the real places' outputs
+    back at their packed rows."""
+
+    slots: torch.Tensor
+    gather: torch.Tensor
+    places: torch.Tensor
+    rows: torch.Tensor
+    sees: torch.Tensor
+    length: int
+    columns: int
+
+
+@dataclass
+class PackedAttention:
+    """How a packed prefill's attention runs: groups of prompts of like lengths in one padded call each,
+    instead of a call per prompt (with 25 prompts a wave, the calls were most of a prefill wave's time on
+    the scheduler's thread), and the prompts that fit no group alone, as (slot, start, length, first
+    packed row): a long prompt's causal attention needs no mask."""
+
+    groups: list[AttentionGroup]
+    alone: list[tuple[int, int, int, int]]
+
+    @classmethod
+    def planned(cls, lengths: list[int], starts: list[int], slots: list[int], device) -> "PackedAttention":
+        firsts = list(itertools.accumulate([0, *lengths[:-1]]))
+        order = sorted(range(len(lengths)), key=lambda i: starts[i] + lengths[i], reverse=True)
+        members: list[list[int]] = []
+        for prompt in order:
+            group = (members[-1] if members else []) + [prompt]
+            length = max(lengths[i] for i in group)
+            columns = max(starts[i] + lengths[i] for i in group)
+            own = sum(lengths[i] * (starts[i] + lengths[i]) for i in group)
+            padded = len(group) * length * columns
+            if len(group) > 1 and padded <= GROUP_WASTE * own + GROUP_SLACK and padded <= GROUP_AREA:
+                members[-1] = group
+            else:
+                members.append([prompt])
+        groups = [cls._group(group, lengths, starts, slots, firsts, device) for group in members if len(group) > 1]
+        alone = [(slots[i], starts[i], lengths[i], firsts[i]) for group in members if len(group) == 1 for i in group]
+        return cls(groups, alone)
+
+    @staticmethod
+    def _group(group: list[int], lengths: list[int], starts: list[int], slots: list[int], firsts: list[int],
+               device) -> AttentionGroup:
+        length = max(lengths[i] for i in group)
+        columns = max(starts[i] + lengths[i] for i in group)
+        place = torch.arange(length)
+        real = place[None, :] < torch.tensor([lengths[i] for i in group])[:, None]  # [prompts, length]
+        gather = torch.where(real, torch.tensor([firsts[i] for i in group])[:, None] + place, 0).flatten()
+        places = real.flatten().nonzero()[:, 0]
+        group_starts = torch.tensor([starts[i] for i in group])
+        parts = [torch.tensor([slots[i] for i in group]), gather, places, gather[places], group_starts, real.flatten().long()]
+        group_slots, gather, places, rows, group_starts, real = in_one_copy(parts, device)
+        real = real.view(len(group), length).bool()
+        column = torch.arange(columns, device=device)
+        # A token sees its slot's columns up to its own; a padding place sees column 0 only (its output is dropped).
+        sees = column <= (group_starts[:, None] + torch.arange(length, device=device))[:, :, None]
+        sees = (sees & real[:, :, None]) | ((column == 0) & ~real[:, :, None])
+        return AttentionGroup(group_slots, gather, places, rows, sees, length, columns)
+
+
 @dataclass
 class Rows:
     """Where each row of a forward pass belongs: its slot, its column there (its position in its
@@ -44,6 +117,7 @@ class Rows:
     first_slot: int = 0
     sequences: int = 1
     sees: torch.Tensor | None = None
+    attention: PackedAttention | None = None  # packed only
 
     @classmethod
     def packed(cls, lengths: list[int], first_slot: int, conv_width: int, device) -> "Rows":
@@ -58,8 +132,10 @@ class Rows:
         parts = [columns, slots, prompt_slots, bounds, tails.clamp(min=0).flatten(), exists.flatten().long()]
         columns, slots, prompt_slots, device_bounds, tail_rows, tail_exists = in_one_copy(parts, device)
         shape = (len(lengths), conv_width)
+        attention = PackedAttention.planned(lengths, [0] * len(lengths), list(range(first_slot, first_slot + len(lengths))), device)
         return cls(slots, columns, columns, columns, lengths, prompt_slots, tail_rows.view(shape),
-                   tail_exists.view(shape).bool(), device_bounds[1:] - 1, bounds, device_bounds, first_slot)
+                   tail_exists.view(shape).bool(), device_bounds[1:] - 1, bounds, device_bounds, first_slot,
+                   attention=attention)
 
     @classmethod
     def padded(cls, pads: torch.Tensor, prompt_slots: torch.Tensor, length: int, conv_width: int) -> "Rows":
@@ -110,6 +186,7 @@ class ContinuedRows:
     sequences: int = 1
     real: torch.Tensor | None = None
     sees: torch.Tensor | None = None
+    attention: PackedAttention | None = None  # packed only
 
     @classmethod
     def padded(cls, lengths: torch.Tensor, starts: torch.Tensor, prompt_slots: torch.Tensor, length: int,
@@ -143,4 +220,5 @@ class ContinuedRows:
         parts = [columns, slots, prompt_slots, bounds, state_rows, token_rows, places, tail_rows.flatten()]
         columns, slots, prompt_slots, device_bounds, state_rows, token_rows, places, tail_rows = in_one_copy(parts, device)
         return cls(slots, columns, columns, lengths, starts, slot_list, prompt_slots, bounds, device_bounds,
-                   device_bounds[1:] - 1, state_rows, token_rows, places, tail_rows.view(len(lengths), width))
+                   device_bounds[1:] - 1, state_rows, token_rows, places, tail_rows.view(len(lengths), width),
+                   attention=PackedAttention.planned(lengths, starts, slot_list, device))
