@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One concurrency.py run in engine mode with py-spy sampling the engine's process and the users' (this
-# benchmark's) process for SAMPLE_S seconds from SETTLE_S into the first level: where their time goes.
+# benchmark's) process for SAMPLE_S seconds from SETTLE_S into the first level of LEVEL users (any level if
+# unset) of the first workload: where their time goes.
 # On the device machine, from the repository root, after the wheels are installed (py-spy among them):
 #   OUTDIR=$OUT TAG=text bash benchmarks/experiments/profiled_level.sh --workload text --levels 200 --duration 20 --grace 12
 # Writes $OUTDIR/$TAG.log, $TAG.json and the samples $TAG-engine.txt / $TAG-users.txt (py-spy's raw format:
@@ -13,7 +14,7 @@ SAMPLE_S=${SAMPLE_S:-8}
 log="$OUTDIR/$TAG.log"
 python3 benchmarks/concurrency.py --json "$OUTDIR/$TAG.json" "$@" > "$log" 2>&1 &
 bench=$!
-until grep -q "level .* users: started" "$log" 2>/dev/null; do
+until grep -q "level ${LEVEL:-.*} users: started" "$log" 2>/dev/null; do
     kill -0 "$bench" 2>/dev/null || { tail -20 "$log"; exit 1; }
     sleep 1
 done
