@@ -36,9 +36,13 @@ ONE_ROW_LINEAR = 1
 # prefills only what is new and its earlier images are not encoded again; 0: every prompt is prefilled
 # whole. Kept states take at most CONVERSATION_CACHE_GB of GPU memory, the least recently used let go
 # first: one conversation's, after a 1344x1344 image, is about 26 MB at the 4.6 shape (19 MB of DeltaNet
-# state, 12 KB a token), so 4 GB hold about 150 conversations' latest states (older ones go first).
+# state, 12 KB a token), and about 40 MB ten turns on. Left negative, the app sizes it: CONVERSATION_CACHE_SHARE
+# of the GPU's memory (9.4 GB of an H100's 80, 16.9 of an H200's 141), 4 GB on the CPU. A fixed 4 GB held about
+# 150 conversations' latest states, and 200 users of follow-ups let each other's go: 7,813 tokens/s and 3.2 s a
+# reply at 200 users against 10,537 and 1.2 s at 100 on an H100 (docs/DECISIONS.md D42).
 CONVERSATION_CACHE = 1
-CONVERSATION_CACHE_GB = 4.0
+CONVERSATION_CACHE_GB = -1.0
+CONVERSATION_CACHE_SHARE = 0.12
 # 1: the vision tower runs as app.model.vision.fused writes it where the checkpoint allows; 0: through
 # transformers' modules (tuned by app.model.vision.tower).
 FUSED_VISION_TOWER = 1
@@ -117,6 +121,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "ONE_ROW_LINEAR",
     "CONVERSATION_CACHE",
     "CONVERSATION_CACHE_GB",
+    "CONVERSATION_CACHE_SHARE",
     "FUSED_VISION_TOWER",
     "MEDIA_ALONGSIDE_DECODING",
     "VISION_SM_CARVEOUT",

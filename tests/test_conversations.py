@@ -137,6 +137,20 @@ def test_the_cache_turns_off(manager, monkeypatch):
     assert manager._conversation_cache().capacity_bytes == 2**29
 
 
+def test_the_cache_is_sized_from_the_gpus_memory_unless_set(manager, monkeypatch):
+    import torch
+
+    from app import tuning
+
+    assert tuning.CONVERSATION_CACHE_GB < 0 and tuning.CONVERSATION_CACHE_SHARE == 0.12  # left to the app
+    assert manager._conversation_cache().capacity_bytes == 4 * 2**30  # the CPU
+    monkeypatch.setattr(type(manager), "_on_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("H200", (), {"total_memory": 141 * 10**9}))
+    assert manager._conversation_cache().capacity_bytes == int(tuning.CONVERSATION_CACHE_SHARE * (141 * 10**9))
+    monkeypatch.setattr(tuning, "CONVERSATION_CACHE_GB", 2.0)
+    assert manager._conversation_cache().capacity_bytes == 2 * 2**30
+
+
 def test_the_api_reports_the_cached_tokens_of_a_follow_up(manager, cache, server_url, tmp_path):
     from openai import OpenAI
 

@@ -89,7 +89,18 @@ class ModelManager:
         keeps = tuning.CONVERSATION_CACHE and self.runner.continues and not self.scheduler.inline
         if tuning.CONVERSATION_CACHE and not keeps:
             log.info("Conversations are not kept between turns on this model's text path: every prompt is prefilled whole")
-        return ConversationCache(int(tuning.CONVERSATION_CACHE_GB * 2**30) if keeps else 0)
+        return ConversationCache(self._conversation_cache_bytes() if keeps else 0)
+
+    def _conversation_cache_bytes(self) -> int:
+        """tuning.CONVERSATION_CACHE_GB, or where it is left to the app (negative) a share of the GPU's memory
+        (tuning.CONVERSATION_CACHE_SHARE), 4 GB on the CPU."""
+        if tuning.CONVERSATION_CACHE_GB >= 0:
+            return int(tuning.CONVERSATION_CACHE_GB * 2**30)
+        if not self._on_cuda:
+            return 4 * 2**30
+        import torch
+
+        return int(tuning.CONVERSATION_CACHE_SHARE * torch.cuda.get_device_properties(self.device).total_memory)
 
     def warm_up(self) -> float:
         """Short generations with an image, alone and in waves, so kernels are ready before the first user.
