@@ -61,12 +61,11 @@ def main() -> None:
         features = runner.encode_media([(prepared.tensors, "16x")])[0]
         whole, whole_ms = timed(lambda: runner.prefill([(ids, features, None)], 0, columns).clone(), cuda, args.runs)
         head, head_ms = timed(lambda: runner.prefill([(ids[:, :turn], features, None)], 0, columns), cuda, args.runs)
-        kept = runner.snapshot(0, turn)
+        kept = runner.snapshots([0], [turn])[0]
         rows = {}
         for name, count in (("1 prompt (a captured graph on CUDA)", 1), ("4 prompts (a captured graph on CUDA)", 4), ("8 prompts, packed", 8)):
             def going_on():
-                for slot in range(count):
-                    runner.restore(kept, slot, columns)
+                runner.restore([kept] * count, list(range(count)), columns)
                 return runner.prefill_continued([(ids[:, turn:], None)] * count, [turn] * count, list(range(count)), columns)
 
             logits, ms = timed(going_on, cuda, args.runs)

@@ -193,11 +193,10 @@ def test_the_padded_continued_prefill_matches_the_packed_one(manager):
     tails = [torch.randint(0, embed.num_embeddings, (1, n), generator=generator) for n in (5, 11)]
     with torch.inference_mode():
         runner.prefill([(ids, None, None) for ids in heads], 0, 128)
-        snapshots = [runner.snapshot(slot, ids.shape[1]) for slot, ids in enumerate(heads)]
+        snapshots = runner.snapshots([0, 1], [ids.shape[1] for ids in heads])
         packed = runner.prefill_continued([(ids, None) for ids in tails], [40, 23], [0, 1], 128)
-        after_packed = [runner.snapshot(slot, start + new) for slot, (start, new) in enumerate([(40, 5), (23, 11)])]
-        for slot, snapshot in enumerate(snapshots):
-            runner.restore(snapshot, slot + 2, 128)
+        after_packed = runner.snapshots([0, 1], [40 + 5, 23 + 11])
+        runner.restore(snapshots, [2, 3], 128)
         length = 16
         embeddings = torch.zeros((2 * length, embed.embedding_dim), dtype=embed.weight.dtype)
         for row, ids in enumerate(tails):
@@ -272,7 +271,7 @@ def test_a_conversation_let_go_while_its_follow_up_is_prepared_is_prepared_again
 def test_no_room_to_keep_a_conversation_leaves_the_reply_as_it_is(manager, cache, tmp_path, monkeypatch):
     import torch
 
-    def no_room(slot, columns):
+    def no_room(slots, columns):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
 
     photo = make_image(tmp_path, "photo.png", (900, 700))
@@ -280,5 +279,5 @@ def test_no_room_to_keep_a_conversation_leaves_the_reply_as_it_is(manager, cache
     cache(0)
     whole = conversation(manager, first, [[text("More?")]])
     kept = cache(2**30)
-    monkeypatch.setattr(manager.runner.store, "snapshot", no_room)
+    monkeypatch.setattr(manager.runner.store, "snapshots", no_room)
     assert conversation(manager, first, [[text("More?")]]) == whole and len(kept) == 0

@@ -120,7 +120,8 @@ def test_requests_that_leave_free_their_slots_in_one_move_and_the_rest_stay_dens
     assert len(scheduler.runner.moves) == 1 and last not in scheduler._running
 
 
-def test_slot_moves_copy_every_layers_state_at_once():
+def filled_store():
+    """A slot store of 8 slots holding random states: an attention layer (3) and a DeltaNet layer (0)."""
     from app.model.batch_cache import SlotStore
 
     store = SlotStore(torch.device("cpu"))
@@ -131,6 +132,11 @@ def test_slot_moves_copy_every_layers_state_at_once():
     store.recurrent[0] = torch.randn((8, 2, 4, 4), generator=generator)
     store.conv[0] = torch.randn((8, 8, 4), generator=generator)
     store.lengths[:] = torch.tensor([5, 6, 7, 8, 9, 10, 0, 0])
+    return store
+
+
+def test_slot_moves_copy_every_layers_state_at_once():
+    store = filled_store()
     before = {name: tensor.clone() for name, tensor in
               (("keys", store.keys[3]), ("values", store.values[3]), ("recurrent", store.recurrent[0]), ("conv", store.conv[0]))}
     store.move([4, 5], [0, 2], columns=10)
@@ -140,3 +146,24 @@ def test_slot_moves_copy_every_layers_state_at_once():
         assert torch.equal(tensor[[1, 3, 4, 5]], before[name][[1, 3, 4, 5]]), name
     for name, tensor in (("recurrent", store.recurrent[0]), ("conv", store.conv[0])):
         assert torch.equal(tensor[[0, 2]], before[name][[4, 5]]) and torch.equal(tensor[1], before[name][1]), name
+
+
+def test_kept_states_come_back_whole_into_other_slots(monkeypatch):
+    from app.model import batch_cache
+
+    monkeypatch.setattr(batch_cache, "SNAPSHOT_SLOTS", 2)  # three slots' DeltaNet states copied in two goes
+    store = filled_store()
+    store.rope_deltas[:] = torch.arange(8)
+    kept = store.snapshots([1, 4, 2], [6, 9, 3])
+    assert [snapshot.columns for snapshot in kept] == [6, 9, 3]
+    before = {name: tensor.clone() for name, tensor in (("keys", store.keys[3]), ("recurrent", store.recurrent[0]),
+                                                        ("conv", store.conv[0]))}
+    for tensor in (store.keys[3], store.values[3], store.recurrent[0], store.conv[0]):
+        tensor.normal_()  # what the slots held since
+    store.restore(kept, [7, 0, 5])
+    assert store.lengths[[7, 0, 5]].tolist() == [6, 9, 3] and store.rope_deltas[[7, 0, 5]].tolist() == [1, 4, 2]
+    for source, target, length in ((1, 7, 6), (4, 0, 9), (2, 5, 3)):
+        assert torch.equal(store.keys[3][target, :, :length], before["keys"][source, :, :length])
+        assert torch.equal(store.recurrent[0][target], before["recurrent"][source])
+        assert torch.equal(store.conv[0][target], before["conv"][source])
+    assert kept[0].nbytes == kept[0].states.numel() + 2 * 2 * 6 * 4 * 4  # keys and values of 6 columns, fp32

@@ -162,18 +162,18 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
                                      first_slot, columns).clone())
     if fresh:
         runner.prefill([(_ids(r, 0, _turn(r)), f, None) for r, f in fresh], first_slot + len(whole), columns)
-    for request, _ in going_on:
-        runner.restore(request.prepared.kept.state, slots[id(request)], columns)
+    if going_on:
+        runner.restore([r.prepared.kept.state for r, _ in going_on], [slots[id(r)] for r, _ in going_on], columns)
     heads = [(r, f) for r, f in going_on if _turn(r) > r.prepared.kept.length]
     if heads:
         runner.prefill_continued([(_ids(r, r.prepared.kept.length, _turn(r)), f) for r, f in heads],
                                  [r.prepared.kept.length for r, _ in heads], [slots[id(r)] for r, _ in heads], columns)
-    for request, _ in fresh + heads:
-        state = runner.snapshot(slots[id(request)], _turn(request))
-        if state is not None:
-            cache.keep(request.prepared, state)
-            if request.prepared.kept is not None:
-                cache.superseded(request.prepared.kept)
+    kept = fresh + heads
+    states = runner.snapshots([slots[id(r)] for r, _ in kept], [_turn(r) for r, _ in kept]) if kept else None
+    for (request, _), state in zip(kept, states or ()):
+        cache.keep(request.prepared, state)
+        if request.prepared.kept is not None:
+            cache.superseded(request.prepared.kept)
     rest = fresh + going_on  # each prompt's last turn, from the state kept at its start
     if rest:
         logits.append(runner.prefill_continued([(_ids(r, _turn(r), None), None) for r, _ in rest],

@@ -163,7 +163,7 @@ class BatchRunner:
 
     @property
     def continues(self) -> bool:
-        """Whether a prompt can go on from a kept state (prefill_continued, snapshot, restore)."""
+        """Whether a prompt can go on from a kept state (prefill_continued, snapshots, restore)."""
         return self.text.continues
 
     def prefill_continued(self, prompts: list[tuple[torch.Tensor, torch.Tensor | None]], starts: list[int],
@@ -177,19 +177,19 @@ class BatchRunner:
         self.store.lengths.index_copy_(0, on_device(slots, torch.long, self.device), on_device(lengths, torch.long, self.device))
         return logits
 
-    def snapshot(self, slot: int, columns: int):
-        """A copy of slot `slot`'s state after its first `columns` tokens (app.model.batch_cache.StateSnapshot),
-        or None where the GPU has no room for it: a conversation not kept is only slower to go on."""
+    def snapshots(self, slots: list[int], columns: list[int]) -> list | None:
+        """A copy of each slot slots[i]'s state after its first columns[i] tokens (app.model.batch_cache.StateSnapshot),
+        or None where the GPU has no room for them: a conversation not kept is only slower to go on."""
         try:
-            return self.store.snapshot(slot, columns)
+            return self.store.snapshots(slots, columns)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             return None
 
-    def restore(self, snapshot, slot: int, columns: int) -> None:
-        """Slot `slot` holds `snapshot`'s tokens, with room for `columns`."""
-        self.store.reserve(slot + 1, columns)
-        self.store.restore(snapshot, slot)
+    def restore(self, snapshots: list, slots: list[int], columns: int) -> None:
+        """Slot slots[i] holds snapshots[i]'s tokens, each with room for `columns`."""
+        self.store.reserve(max(slots) + 1, columns)
+        self.store.restore(snapshots, slots)
 
     @staticmethod
     def joined(logits: list[torch.Tensor]) -> torch.Tensor:
