@@ -151,7 +151,7 @@ def test_slot_moves_copy_every_layers_state_at_once():
 def test_kept_states_come_back_whole_into_other_slots(monkeypatch):
     from app.model import batch_cache
 
-    monkeypatch.setattr(batch_cache, "SNAPSHOT_SLOTS", 2)  # three slots' DeltaNet states copied in two goes
+    monkeypatch.setattr(batch_cache, "SNAPSHOT_SLOTS", 2)  # three slots kept, and restored, in two goes
     store = filled_store()
     store.rope_deltas[:] = torch.arange(8)
     kept = store.snapshots([1, 4, 2], [6, 9, 3])

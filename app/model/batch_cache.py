@@ -24,8 +24,8 @@ import torch
 
 from app.model.text.rows import in_one_copy
 
-# Slots whose DeltaNet states are copied together when kept (SlotStore.snapshots): the copy's room on the GPU
-# beside the kept blocks is 19 MB a slot at the 4.6 shape.
+# Slots whose DeltaNet states are copied together when kept or restored (SlotStore.snapshots, restore): the
+# copy's room on the GPU beside the kept blocks is 19 MB a slot at the 4.6 shape.
 SNAPSHOT_SLOTS = 32
 
 
@@ -112,7 +112,11 @@ class SlotStore:
 
     def restore(self, snapshots: list["StateSnapshot"], slots: list[int]) -> None:
         """Put snapshots[i] into slot slots[i], which then holds its tokens (room for them reserved first);
-        the DeltaNet layers' states of all of them at once, one copy a layer."""
+        the DeltaNet layers' states of SNAPSHOT_SLOTS of them at once, one copy a layer."""
+        for first in range(0, len(slots), SNAPSHOT_SLOTS):
+            self._restore(snapshots[first:first + SNAPSHOT_SLOTS], slots[first:first + SNAPSHOT_SLOTS])
+
+    def _restore(self, snapshots: list["StateSnapshot"], slots: list[int]) -> None:
         count = len(slots)
         index, columns = in_one_copy([torch.tensor(slots), torch.tensor([s.columns for s in snapshots])], self.device)
         layout = snapshots[0].layout  # one model's: the same for all

@@ -183,8 +183,9 @@ class BatchRunner:
         try:
             return self.store.snapshots(slots, columns)
         except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            return None
+            pass
+        torch.cuda.empty_cache()  # here, not in the handler, whose traceback still holds the failed copies
+        return None
 
     def restore(self, snapshots: list, slots: list[int], columns: int) -> None:
         """Slot slots[i] holds snapshots[i]'s tokens, each with room for `columns`."""
