@@ -248,6 +248,8 @@ def test_a_crashed_engine_process_is_restarted(engine):
     assert engine._process.pid != first.pid
     answer = reply(engine, user("Back?"), GenerationSettings(max_new_tokens=5, min_new_tokens=5, do_sample=False))
     assert answer.stats["new_tokens"] == 5
+    # The new process's warm-up runs after its load, beside that reply: its replies end too, and it is done.
+    assert wait_for(lambda: engine.info().warmup_s is not None and engine.active_generations == 0, 60)
 
 
 def test_a_stop_signal_ends_a_reply_at_any_moment_in_the_engine_process(engine, tmp_path):
