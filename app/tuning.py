@@ -55,10 +55,11 @@ MEDIA_ALONGSIDE_DECODING = 1
 # off by default, as a chat's users weigh the first token most.
 VISION_SM_CARVEOUT = 0
 STAGED_PIXELS_MB = 2048  # waiting requests' pixels copied to the GPU ahead of their wave
-# 1: on CUDA, where torchvision decodes JPEGs on the GPU (tried once as the model loads), a request whose
-# images are all JPEGs is prepared without its pixels, which the engine makes on the GPU as it stages them
-# (nvJPEG, then the processor's resize and slices: app.model.jpegs). Preparing a 1344x1344 JPEG on a CPU core
-# was most of a lone request's first token on an H200 (docs/DECISIONS.md D43). 0: preparers decode every image.
+# 1: on CUDA, where torchvision decodes JPEGs on the GPU (tried once as the model loads), a request's images are
+# prepared without their slices, which the engine makes on the GPU as it stages them (the processor's resize and
+# cut: app.model.jpegs), from the JPEGs' files (nvJPEG) and the other images' pixels their preparer decoded.
+# Preparing a 1344x1344 JPEG on a CPU core was most of a lone request's first token on an H200 (docs/DECISIONS.md
+# D43). 0: preparers decode and slice every image.
 JPEG_ON_DEVICE = 1
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
 # How often Python hands the GIL from one thread to another in the app's serving processes (its default

@@ -49,7 +49,7 @@ def pixel_check(checkpoint: str, paths: dict[str, str], runs: int) -> dict:
     import torch
 
     from app.engine.inputs import load_processor, prepare_inputs
-    from app.engine.jpegs_on_device import DEFERRED_JPEGS
+    from app.engine.jpegs_on_device import DEFERRED_IMAGES
     from app.engine.settings import GenerationSettings
     from app.media.images import load_image_pixels
     from app.model.jpegs import CPU, decoded, image_views, resized, slices
@@ -61,7 +61,7 @@ def pixel_check(checkpoint: str, paths: dict[str, str], runs: int) -> dict:
     for name in ("photo_jpeg", "progressive_jpeg", "photo_1000x750_jpeg"):
         path = paths[name]
         expected = prepare_inputs(processor, question(path), settings, 32768).tensors["pixel_values"]
-        deferred = prepare_inputs(processor, question(path), settings, 32768, jpegs_on_device=True).tensors[DEFERRED_JPEGS]
+        deferred = prepare_inputs(processor, question(path), settings, 32768, jpegs_on_device=True).tensors[DEFERRED_IMAGES]
         made = slices(deferred, cuda).cpu()
         image = decode_jpeg(read_file(path), mode=ImageReadMode.RGB, device=cuda)  # nvJPEG's alone, no fallback
         report[name] = {

@@ -214,14 +214,18 @@ def test_the_padded_continued_prefill_matches_the_packed_one(manager):
     runner.release()
 
 
-def test_a_kept_conversation_drops_its_images_pixels_or_jpegs(manager, tmp_path):
-    """Whether its images come as pixels or as JPEGs the engine decodes on its GPU, a follow-up keeps only
-    what comes after the kept part: the later image's pixels (or JPEG) and slice sizes."""
+@pytest.mark.parametrize("kinds", [("jpg", "jpg"), ("png", "png"), ("png", "jpg")])
+def test_a_kept_conversation_drops_its_images_pixels_or_jpegs(manager, tmp_path, kinds):
+    """Whether its images come as pixels, as JPEGs the engine decodes on its GPU or as pixels its preparer
+    decoded for the engine to slice, a follow-up keeps only what comes after the kept part: the later image's
+    pixels (or JPEG) and slice sizes."""
     from app.engine.conversations import without_media_before
     from app.engine.inputs import prepare_inputs
-    from app.engine.jpegs_on_device import DEFERRED_JPEGS
+    from app.engine.jpegs_on_device import DECODED_PIXELS, DEFERRED_IMAGES
+    from app.model.jpegs import CPU, slices
 
-    first, second = make_image(tmp_path, "a.jpg", (700, 500)), make_image(tmp_path, "b.jpg", (300, 200), (9, 9, 200))
+    first = make_image(tmp_path, f"a.{kinds[0]}", (700, 500))
+    second = make_image(tmp_path, f"b.{kinds[1]}", (300, 200), (9, 9, 200))
     messages = [{"role": "user", "content": [{"type": "image", "path": first}, text("What?")]},
                 {"role": "assistant", "content": [text("A red field.")]},
                 {"role": "user", "content": [{"type": "image", "path": second}, text("And this?")]}]
@@ -233,7 +237,11 @@ def test_a_kept_conversation_drops_its_images_pixels_or_jpegs(manager, tmp_path)
         without_media_before(prepared, kept)
         assert prepared.tensors["target_sizes"].tolist() == alone.tensors["target_sizes"].tolist()
         if on_device:
-            assert prepared.tensors[DEFERRED_JPEGS].paths == (second,)
+            rest = prepared.tensors[DEFERRED_IMAGES]
+            assert rest.paths == (second,)
+            assert (DECODED_PIXELS in prepared.tensors) == (kinds[1] == "png")
+            made = slices(rest, CPU, pixels=prepared.tensors.get(DECODED_PIXELS))
+            assert made.equal(alone.tensors["pixel_values"])
         else:
             assert prepared.tensors["pixel_values"].equal(alone.tensors["pixel_values"])
 

@@ -13,7 +13,7 @@ from torchvision.transforms.v2 import functional as tvF
 
 from app import tuning
 from app.engine.inputs import prepare_inputs
-from app.engine.jpegs_on_device import DEFERRED_JPEGS
+from app.engine.jpegs_on_device import DECODED_PIXELS, DEFERRED_IMAGES
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.images import jpeg_for_the_device
@@ -48,7 +48,7 @@ def test_a_request_prepared_without_its_pixels_gets_the_processors_prompt_and_th
     for request in [[path] for path in paths] + [paths[:3]]:
         today = prepare_inputs(manager.processor, question(*request), settings, 32768)
         left = prepare_inputs(manager.processor, question(*request), settings, 32768, jpegs_on_device=True)
-        deferred = left.tensors.pop(DEFERRED_JPEGS)
+        deferred = left.tensors.pop(DEFERRED_IMAGES)
         pixels = today.tensors.pop("pixel_values")
         assert set(left.tensors) == set(today.tensors)
         for key, value in today.tensors.items():
@@ -71,9 +71,10 @@ def test_the_resize_is_the_processors_uint8_resize_bit_for_bit(monkeypatch):
     assert torch.equal(resized(image, 448, 1000), processor_resized(image, 448, 1000))
 
 
-def test_what_the_gpu_path_cannot_match_stays_on_the_cpu(manager, tmp_path):
-    """Only a whole YCbCr JPEG needing no EXIF turn is left to the engine; a request with any other image
-    is prepared with its pixels, all of them."""
+def test_what_nvjpeg_cannot_match_is_decoded_by_the_preparer_and_sliced_by_the_engine(manager, tmp_path):
+    """Only a whole YCbCr JPEG needing no EXIF turn is left to the engine as its file; any other image (a PNG,
+    a turned, grey or CMYK JPEG) is decoded by its preparer, and the engine makes every image's slices: the
+    processor's pixels, bit for bit."""
     upright = Image.Exif()
     upright[0x0112] = 1
     turned = Image.Exif()
@@ -91,8 +92,16 @@ def test_what_the_gpu_path_cannot_match_stays_on_the_cpu(manager, tmp_path):
         str(tmp_path / name) for name in ("grey.jpg", "cmyk.jpg", "lossless.png")]
     for path in stays:
         assert jpeg_for_the_device(path) is None, path
-    mixed = prepare_inputs(manager.processor, question(whole, stays[-1]), SETTINGS, 32768, jpegs_on_device=True)
-    assert DEFERRED_JPEGS not in mixed.tensors and mixed.tensors["pixel_values"] is not None
+    request = question(whole, *stays)
+    today = prepare_inputs(manager.processor, request, SETTINGS, 32768)
+    mixed = prepare_inputs(manager.processor, request, SETTINGS, 32768, jpegs_on_device=True)
+    deferred, decoded = mixed.tensors.pop(DEFERRED_IMAGES), mixed.tensors.pop(DECODED_PIXELS)
+    assert [place is None for place in deferred.decoded] == [True, False, False, False, False]
+    assert decoded.dtype == torch.uint8 and decoded.numel() == 3 * (640 * 480) * 4  # the turned one too, upright
+    pixels = today.tensors.pop("pixel_values")
+    assert set(mixed.tensors) == set(today.tensors) and mixed.prompt_tokens == today.prompt_tokens
+    assert torch.equal(slices(deferred, CPU, resize=resized, pixels=decoded), pixels)  # the GPU's resize, on the CPU
+    assert torch.equal(slices(deferred, CPU, pixels=decoded), pixels)
     with pytest.raises(UserError, match="could not be read"):  # refused by its preparer, as before
         prepare_inputs(manager.processor, question(str(tmp_path / "truncated.jpg")), SETTINGS, 32768, jpegs_on_device=True)
 
@@ -116,7 +125,7 @@ def test_a_jpeg_that_cannot_be_decoded_fails_its_own_request_alone(manager, tmp_
     alone = list(manager.stream(question(good), long))[-1].text
     assert not manager.runner.jpegs.enabled  # the CPU: the preparers decode every image
     monkeypatch.setattr(manager.runner, "jpegs", JpegsOnDevice(CPU))
-    assert DEFERRED_JPEGS in manager.preparer.prepare(question(good), long, 32768, jpegs_on_device=True).tensors
+    assert DEFERRED_IMAGES in manager.preparer.prepare(question(good), long, 32768, jpegs_on_device=True).tensors
     streaming, replies = threading.Event(), []
 
     def victim():
@@ -137,3 +146,21 @@ def test_a_jpeg_that_cannot_be_decoded_fails_its_own_request_alone(manager, tmp_
 def test_the_gpu_path_is_chosen_once_and_can_be_turned_off():
     assert "JPEG_ON_DEVICE" in tuning.FROM_ENVIRONMENT and tuning.JPEG_ON_DEVICE == 1
     assert isinstance(jpegs_for(torch.device("cuda"), wanted=False), NoJpegsOnDevice)
+
+
+def test_a_png_sliced_by_the_engine_gets_the_reply_it_gets_when_sliced_by_its_preparer(manager, tmp_path, monkeypatch):
+    """The engine making slices (here on the CPU) from a PNG its preparer decoded, beside a JPEG it decodes
+    itself: the same greedy reply as when the preparer makes every slice."""
+    png = str(tmp_path / "drawing.png")
+    Image.open(photo(tmp_path, "drawing.jpg", (900, 700), seed=3)).save(png)
+    both = question(png, photo(tmp_path, "other.jpg", (640, 480), seed=4))
+    greedy = GenerationSettings(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    before = list(manager.stream(both, greedy))[-1].text
+    monkeypatch.setattr(manager.runner, "jpegs", JpegsOnDevice(CPU))
+    prepared = manager.preparer.prepare(both, greedy, 32768, jpegs_on_device=True)
+    assert [place is None for place in prepared.tensors[DEFERRED_IMAGES].decoded] == [False, True]
+    manager.scheduler.conversations.clear()  # else the same question goes on from what the first one kept
+    staged = []
+    slices_made = jpegs.slices
+    monkeypatch.setattr(jpegs, "slices", lambda *args, **kwargs: staged.append(1) or slices_made(*args, **kwargs))
+    assert list(manager.stream(both, greedy))[-1].text == before and staged == [1]

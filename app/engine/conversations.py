@@ -24,7 +24,7 @@ import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from app.engine.jpegs_on_device import DEFERRED_JPEGS, DeferredJpegs
+from app.engine.jpegs_on_device import DECODED_PIXELS, DEFERRED_IMAGES
 from app.engine.settings import GenerationSettings
 
 log = logging.getLogger(__name__)
@@ -248,10 +248,12 @@ def without_media_before(prepared, position: int) -> None:
         return
     views = sum(prepared.image_views[:kept])
     sizes = tensors["target_sizes"]
-    deferred = tensors.get(DEFERRED_JPEGS)
+    deferred = tensors.get(DEFERRED_IMAGES)
     if deferred is not None:
-        rest = DeferredJpegs(deferred.paths[kept:], deferred.slicings[kept:], deferred.patch_size)
-        tensors[DEFERRED_JPEGS] = rest if rest.paths else None
+        rest = deferred.after(kept)
+        tensors[DEFERRED_IMAGES] = rest if rest.paths else None
+        if not any(rest.decoded):
+            tensors.pop(DECODED_PIXELS, None)
     elif views >= len(sizes):
         tensors["pixel_values"] = None
     else:

@@ -21,7 +21,7 @@ from app.engine.prompt_text import TextPartsAsText, with_placeholders
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
-from app.engine.jpegs_on_device import DEFERRED_JPEGS, DeferredJpegs, PlannedSlices, defers_jpegs, stand_in_images
+from app.engine.jpegs_on_device import PlannedSlices, deferred_images, defers_jpegs, stand_in_images
 from app.media.images import image_size, jpeg_for_the_device, load_image_pixels
 from app.media.video import sample_video
 
@@ -206,8 +206,9 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     Floating-point pixels (a video's) come in `pixel_dtype` (the vision tower's): the model would cast
     them on the GPU anyway, and float32 doubles what crosses from a worker process and to the GPU (24
     MB for one 1344x1344 image). The app's processor leaves images in uint8 (_leave_images_unnormalized).
-    With `jpegs_on_device` (the engine decodes JPEGs on its GPU), a request whose images are all JPEGs it
-    can decode gets no pixels: its tensors hold the images' DeferredJpegs instead (app.engine.jpegs_on_device).
+    With `jpegs_on_device` (the engine makes images' slices on its GPU), a request's images get no slices here:
+    its tensors hold the images' DeferredImages instead, with the decoded pixels of those that are not JPEGs the
+    GPU decodes as the CPU does (app.engine.jpegs_on_device).
     A request whose every image a kept conversation holds (their keys in `kept_media`: a follow-up) gets none
     either, and says so (pixels_left_out): the engine encodes none of them (app.engine.conversations).
     """
@@ -300,17 +301,12 @@ def _video_kwargs(video, settings: GenerationSettings) -> dict:
     }
 
 
-def _loaded_images(paths: list[str], images: dict, jpegs_on_device: bool) -> list:
-    """Each image's pixels (cached in `images` by path across trimming attempts), or, when the engine
-    decodes JPEGs itself and every image is one it can (app.media.images.jpeg_for_the_device), each one's
-    (height, width) alone."""
+def _loaded_images(paths: list[str], images: dict, on_device: bool) -> list:
+    """Each image's pixels (cached in `images` by path across trimming attempts), or, for a JPEG the engine
+    decodes itself on its GPU (`on_device`: app.media.images.jpeg_for_the_device), its (height, width) alone."""
     for path in paths:
         if path not in images:
-            images[path] = (jpegs_on_device and jpeg_for_the_device(path)) or load_image_pixels(path)
-    if not all(isinstance(images[path], tuple) for path in paths):
-        for path in paths:
-            if isinstance(images[path], tuple):
-                images[path] = load_image_pixels(path)
+            images[path] = (on_device and jpeg_for_the_device(path)) or load_image_pixels(path)
     return [images[path] for path in paths]
 
 
@@ -329,14 +325,16 @@ def _held_by_kept_conversations(processor, messages: list[dict], paths: list[str
     return sizes if held else None
 
 
-def _image_plan_and_arguments(processor, loaded: list, sizes_only: bool, settings: GenerationSettings):
+def _image_plan_and_arguments(processor, loaded: list, on_device: bool, settings: GenerationSettings):
     """(the slice plan, the processor's image arguments) for the request's images: pixels, or (height, width)
-    pairs where no pixels are made here (`sizes_only`)."""
+    pairs of JPEGs left to the engine; where the engine makes every image's slices (`on_device`), the
+    processor is handed stand-ins."""
     if not loaded:
         return None, {}
-    plan = plan_slices(processor.image_processor, loaded if sizes_only else [tuple(pixels.shape[1:]) for pixels in loaded],
-                       settings.max_slice_nums, settings.downsample_mode, settings.visual_token_budget)
-    return plan, {"images": [stand_in_images(len(loaded)) if sizes_only else loaded],
+    sizes = [image if isinstance(image, tuple) else tuple(image.shape[1:]) for image in loaded]
+    plan = plan_slices(processor.image_processor, sizes, settings.max_slice_nums, settings.downsample_mode,
+                       settings.visual_token_budget)
+    return plan, {"images": [stand_in_images(len(loaded)) if on_device else loaded],
                   "images_kwargs": {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode,
                                     "input_data_format": "channels_first"}}  # a 3-pixel side reads as channels
 
@@ -351,9 +349,9 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
         raise UserError(MSG_ONE_VIDEO)
 
     left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media)
-    loaded = left_out or _loaded_images(image_paths, images, jpegs_on_device and defers_jpegs(processor))
-    sizes_only = bool(loaded) and isinstance(loaded[0], tuple)
-    deferred = sizes_only and not left_out  # sizes alone: the engine decodes them (D43)
+    on_device = jpegs_on_device and defers_jpegs(processor)  # the engine makes the slices (D43)
+    loaded = left_out or _loaded_images(image_paths, images, on_device)
+    sizes_only = bool(loaded) and (on_device or bool(left_out))  # no pixels for the processor
     plan, processor_kwargs = _image_plan_and_arguments(processor, loaded, sizes_only, settings)
     notices = [plan.notice()] if plan is not None and plan.notice() else []
     video = None
@@ -371,8 +369,8 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     if sizes_only:
         text_safe.image_processor = PlannedSlices(processor.image_processor, plan.images)
     tensors = dict(text_safe(text=[prompt], return_tensors="pt", **processor_kwargs))
-    if deferred:
-        tensors[DEFERRED_JPEGS] = DeferredJpegs(tuple(image_paths), plan.images, processor.image_processor.patch_size)
+    if sizes_only and not left_out:
+        tensors.update(deferred_images(image_paths, loaded, plan.images, processor.image_processor.patch_size))
     if loaded and (sizes_only or not tensors["pixel_values"].is_floating_point()):
         tensors["pixel_normalization"] = processor.pixel_normalization
     input_ids = tensors["input_ids"][0]

@@ -1,33 +1,44 @@
-"""JPEGs left for the engine to decode on its GPU: what a preparer hands over in place of their pixels, and
+"""Images whose slices the engine makes on its GPU: what a preparer hands over in place of their pixels, and
 the processor's view of such a request (each image's slice sizes and grid, no pixels).
 
 The prompt's ids depend on an image's size alone (app.media.budget plans the same cut from the header), so
-a preparer renders the prompt as always and leaves decoding, resizing and slicing to the engine, which
-makes the same uint8 slices on its GPU (app.model.jpegs) when it stages the request's pixels. No torch at
-import, as everywhere in app.engine. docs/DECISIONS.md D43.
+a preparer renders the prompt as always and leaves resizing and slicing to the engine, which makes the same
+uint8 slices on its GPU (app.model.jpegs) when it stages the request's pixels. A JPEG that nvJPEG decodes as
+the CPU does is left whole, as its file; any other image the preparer decodes (libpng, PIL: a 1344x1344 PNG in
+20-35 ms of a core), and hands over its decoded pixels, whose slicing on a core took about as long again.
+No torch at import, as everywhere in app.engine. docs/DECISIONS.md D43.
 """
 
 from dataclasses import dataclass
 
 from app.media.budget import ImageSlicing
 
-# The key of a prepared request's tensors that holds its DeferredJpegs in place of "pixel_values".
-DEFERRED_JPEGS = "jpegs_for_the_device"
+# The key of a prepared request's tensors that holds its DeferredImages in place of "pixel_values", and the one
+# that holds the pixels its preparer decoded, every such image's back to back (uint8, flat: a preparing worker
+# hands a tensor of the request's tensors back through shared memory, app.engine.preparers).
+DEFERRED_IMAGES = "images_for_the_device"
+DECODED_PIXELS = "decoded_pixels"
 
 
 @dataclass(frozen=True)
-class DeferredJpegs:
-    """A request's images, every one a JPEG the engine decodes itself (app.media.images.jpeg_for_the_device),
-    in prompt order, with how the processor cuts each (its source view and slices)."""
+class DeferredImages:
+    """A request's images in prompt order, with how the processor cuts each (its source view and slices), and
+    where each one's pixels come from: None for a JPEG the engine decodes from its file
+    (app.media.images.jpeg_for_the_device), else (offset, (3, height, width)) in the request's DECODED_PIXELS."""
 
     paths: tuple[str, ...]
     slicings: tuple[ImageSlicing, ...]
     patch_size: int
+    decoded: tuple = ()
 
     @property
     def pixel_bytes(self) -> int:
         """The bytes of their uint8 slices, as the processor would have made them."""
         return 3 * sum(_view_pixels(slicing) for slicing in self.slicings)
+
+    def after(self, count: int) -> "DeferredImages":
+        """The images after the first `count` (those a kept conversation holds are not made again)."""
+        return DeferredImages(self.paths[count:], self.slicings[count:], self.patch_size, self.decoded[count:])
 
 
 def _view_pixels(slicing: ImageSlicing) -> int:
@@ -35,6 +46,23 @@ def _view_pixels(slicing: ImageSlicing) -> int:
     if slicing.grid:
         pixels += slicing.slice_count * slicing.slice_size[0] * slicing.slice_size[1]
     return pixels
+
+
+def deferred_images(paths: list[str], loaded: list, slicings: tuple[ImageSlicing, ...], patch_size: int) -> dict:
+    """The tensors that stand for a request's images, whose slices the engine makes: each JPEG as its file
+    (`loaded` holds its (height, width)), each other image's decoded pixels back to back in one flat tensor."""
+    import torch
+
+    decoded, pixels, offset = [], [], 0
+    for image in loaded:
+        if isinstance(image, tuple):
+            decoded.append(None)
+        else:
+            decoded.append((offset, tuple(image.shape)))
+            pixels.append(image.reshape(-1))
+            offset += image.numel()
+    deferred = DeferredImages(tuple(paths), slicings, patch_size, tuple(decoded))
+    return {DEFERRED_IMAGES: deferred, **({DECODED_PIXELS: torch.cat(pixels)} if pixels else {})}
 
 
 def defers_jpegs(processor) -> bool:

@@ -1,8 +1,8 @@
-"""JPEGs decoded, resized and cut into slices on the engine's GPU: the uint8 slices the app's processor
-makes on a CPU core (app.engine.inputs._uint8_slices), laid out the same, for a request a preparer left
-them to (app.engine.jpegs_on_device). docs/DECISIONS.md D43.
+"""Images resized and cut into slices on the engine's GPU, JPEGs decoded there too: the uint8 slices the app's
+processor makes on a CPU core (app.engine.inputs._uint8_slices), laid out the same, for a request a preparer
+left them to (app.engine.jpegs_on_device). docs/DECISIONS.md D43.
 
-Decoding is nvJPEG's, through torchvision. The resize is the processor's, torchvision's bicubic resize with
+Decoding is nvJPEG's, through torchvision; other images come decoded by their preparer. The resize is the processor's, torchvision's bicubic resize with
 antialiasing of a uint8 image, as PyTorch computes it on the CPU: in fixed point, int16 weights at a
 precision chosen from the largest weight, the width first then the height, each pass rounded and clamped
 back to uint8 (aten/src/ATen/native/cpu/UpSampleKernel.cpp, _compute_index_ranges_int16_weights). On CUDA
@@ -20,7 +20,7 @@ import numpy
 import torch
 
 from app.engine.inputs import image_patches
-from app.engine.jpegs_on_device import DeferredJpegs
+from app.engine.jpegs_on_device import DeferredImages
 from app.errors import UserError
 from app.media.budget import ImageSlicing
 from app.media.files import check_local_file
@@ -32,15 +32,22 @@ log = logging.getLogger(__name__)
 CPU = torch.device("cpu")
 
 
-def slices(deferred: DeferredJpegs, device, resize=None) -> torch.Tensor:
+def slices(deferred: DeferredImages, device, resize=None, pixels: torch.Tensor | None = None) -> torch.Tensor:
     """The request's pixel_values [1, 3, patch, tokens * patch] in uint8 on `device`, as the processor makes
-    them: each image's source view then its slices, image after image. Resized by `resize` (images, height,
-    width), by default `resized` on a GPU and on the CPU the processor's own call, which is faster there. A
-    JPEG that cannot be decoded is refused with the app's message for an unreadable image."""
+    them: each image's source view then its slices, image after image. JPEGs are decoded from their files,
+    the other images taken from `pixels`, their preparer's decoding (the request's DECODED_PIXELS). Resized by
+    `resize` (images, height, width), by default `resized` on a GPU and on the CPU the processor's own call,
+    which is faster there. A JPEG that cannot be decoded is refused with the app's message for an unreadable image."""
     resize = resize or (resized if device.type != "cpu" else processor_resized)
-    images = decoded(deferred.paths, device)
+    places = deferred.decoded or (None,) * len(deferred.paths)
+    jpegs = iter(decoded(tuple(path for path, place in zip(deferred.paths, places) if place is None), device))
     views = []
-    for path, image, slicing in zip(deferred.paths, images, deferred.slicings):
+    for path, place, slicing in zip(deferred.paths, places, deferred.slicings):
+        if place is None:
+            image = next(jpegs)
+        else:
+            offset, shape = place
+            image = pixels[offset:offset + torch.Size(shape).numel()].view(shape).to(device)
         if tuple(image.shape[-2:]) != slicing.size:  # not what its header said: its tokens would not fit
             raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
         views.append(image_views(image, slicing, deferred.patch_size, resize))
@@ -55,7 +62,7 @@ def decoded(paths: tuple[str, ...], device) -> list[torch.Tensor]:
 
     quiet_torchvision_decoding()
     encoded = [_read(path) for path in paths]
-    if device.type == "cuda":
+    if device.type == "cuda" and encoded:
         try:
             return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
         except RuntimeError as error:
@@ -184,11 +191,11 @@ class JpegsOnDevice:
     def __init__(self, device):
         self.device = device
 
-    def pixels(self, deferred: DeferredJpegs, staging):
+    def pixels(self, deferred: DeferredImages, decoded_pixels, staging):
         """The request's pixel_values: made on the GPU and held as staged pixels, or, where the staged
         pixels are at their limit, made on this CPU as a preparer makes them and copied in their wave."""
-        staged = staging.make(deferred.pixel_bytes, lambda: slices(deferred, self.device))
-        return staged if staged is not None else slices(deferred, CPU)
+        staged = staging.make(deferred.pixel_bytes, lambda: slices(deferred, self.device, pixels=decoded_pixels))
+        return staged if staged is not None else slices(deferred, CPU, pixels=decoded_pixels)
 
 
 class NoJpegsOnDevice:
@@ -199,8 +206,8 @@ class NoJpegsOnDevice:
     enabled = False
 
     @staticmethod
-    def pixels(deferred: DeferredJpegs, staging) -> torch.Tensor:
-        return slices(deferred, CPU)
+    def pixels(deferred: DeferredImages, decoded_pixels, staging) -> torch.Tensor:
+        return slices(deferred, CPU, pixels=decoded_pixels)
 
 
 def jpegs_for(device, wanted: bool):

@@ -28,7 +28,7 @@ from app.model.streams import MediaEncoding, NoStaging, OneStream, PixelStaging,
 from app.model.batch_cache import SlotStore
 from app.model.sampling import Choice, choose
 from app.engine.inputs import PIXEL_KEYS, normalized_pixels
-from app.engine.jpegs_on_device import DEFERRED_JPEGS
+from app.engine.jpegs_on_device import DECODED_PIXELS, DEFERRED_IMAGES
 from app.model.jpegs import jpegs_for
 from app.model.transfers import on_device
 
@@ -78,12 +78,12 @@ class BatchRunner:
         the scheduler's thread: 25 ms of a 32-image wave's 404 on an H200. At most
         tuning.STAGED_PIXELS_MB wait on the GPU at once; others are copied in their wave.
 
-        A request whose JPEGs its preparer left to the engine (where self.jpegs.enabled) gets its pixels
-        made here, decoded, resized and sliced on the GPU (app.model.jpegs), so that a JPEG that cannot be
-        decoded fails its own request before it joins the line."""
-        deferred = tensors.pop(DEFERRED_JPEGS, None)
+        A request whose images' slices its preparer left to the engine (where self.jpegs.enabled) gets its
+        pixels made here, its JPEGs decoded, and every image resized and sliced, on the GPU (app.model.jpegs),
+        so that a JPEG that cannot be decoded fails its own request before it joins the line."""
+        deferred, decoded = tensors.pop(DEFERRED_IMAGES, None), tensors.pop(DECODED_PIXELS, None)
         if deferred is not None:
-            tensors["pixel_values"] = self.jpegs.pixels(deferred, self.staging)
+            tensors["pixel_values"] = self.jpegs.pixels(deferred, decoded, self.staging)
         for key in PIXEL_KEYS:
             pixels = tensors.get(key)
             if isinstance(pixels, torch.Tensor) and not pixels.is_cuda:
