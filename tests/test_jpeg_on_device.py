@@ -12,6 +12,7 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as tvF
 
 from app import tuning
+from app.engine import inputs
 from app.engine.inputs import prepare_inputs
 from app.engine.jpegs_on_device import DECODED_PIXELS, DEFERRED_IMAGES
 from app.engine.settings import GenerationSettings
@@ -71,7 +72,7 @@ def test_the_resize_is_the_processors_uint8_resize_bit_for_bit(monkeypatch):
     assert torch.equal(resized(image, 448, 1000), processor_resized(image, 448, 1000))
 
 
-def test_what_nvjpeg_cannot_match_is_decoded_by_the_preparer_and_sliced_by_the_engine(manager, tmp_path):
+def test_what_nvjpeg_cannot_match_is_decoded_by_the_preparer_and_sliced_by_the_engine(manager, tmp_path, monkeypatch):
     """Only a whole YCbCr JPEG needing no EXIF turn is left to the engine as its file; any other image (a PNG,
     a turned, grey or CMYK JPEG) is decoded by its preparer, and the engine makes every image's slices: the
     processor's pixels, bit for bit."""
@@ -102,6 +103,10 @@ def test_what_nvjpeg_cannot_match_is_decoded_by_the_preparer_and_sliced_by_the_e
     assert set(mixed.tensors) == set(today.tensors) and mixed.prompt_tokens == today.prompt_tokens
     assert torch.equal(slices(deferred, CPU, resize=resized, pixels=decoded), pixels)  # the GPU's resize, on the CPU
     assert torch.equal(slices(deferred, CPU, pixels=decoded), pixels)
+    # More decoded pixels than a request hands the engine: its preparer slices every image, as without the GPU path.
+    monkeypatch.setattr(inputs, "DECODED_PIXELS_MAX_BYTES", decoded.numel() - 1)
+    sliced_here = prepare_inputs(manager.processor, request, SETTINGS, 32768, jpegs_on_device=True)
+    assert DEFERRED_IMAGES not in sliced_here.tensors and torch.equal(sliced_here.tensors["pixel_values"], pixels)
     with pytest.raises(UserError, match="could not be read"):  # refused by its preparer, as before
         prepare_inputs(manager.processor, question(str(tmp_path / "truncated.jpg")), SETTINGS, 32768, jpegs_on_device=True)
 

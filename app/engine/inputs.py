@@ -21,7 +21,7 @@ from app.engine.prompt_text import TextPartsAsText, with_placeholders
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
-from app.engine.jpegs_on_device import PlannedSlices, deferred_images, defers_jpegs, stand_in_images
+from app.engine.jpegs_on_device import DECODED_PIXELS_MAX_BYTES, PlannedSlices, deferred_images, defers_jpegs, stand_in_images
 from app.media.images import image_size, jpeg_for_the_device, load_image_pixels
 from app.media.video import sample_video
 
@@ -301,13 +301,19 @@ def _video_kwargs(video, settings: GenerationSettings) -> dict:
     }
 
 
-def _loaded_images(paths: list[str], images: dict, on_device: bool) -> list:
-    """Each image's pixels (cached in `images` by path across trimming attempts), or, for a JPEG the engine
-    decodes itself on its GPU (`on_device`: app.media.images.jpeg_for_the_device), its (height, width) alone."""
+def _loaded_images(paths: list[str], images: dict, on_device: bool) -> tuple[list, bool]:
+    """Each image's pixels (cached in `images` across trimming attempts), or a JPEG's (height, width) where the
+    engine decodes it (`on_device`: jpeg_for_the_device); and whether the engine makes the slices: not past
+    DECODED_PIXELS_MAX_BYTES of decoded pixels."""
     for path in paths:
         if path not in images:
             images[path] = (on_device and jpeg_for_the_device(path)) or load_image_pixels(path)
-    return [images[path] for path in paths]
+    if on_device and sum(images[p].numel() for p in paths if not isinstance(images[p], tuple)) > DECODED_PIXELS_MAX_BYTES:
+        for path in paths:
+            if isinstance(images[path], tuple):
+                images[path] = load_image_pixels(path)
+        on_device = False
+    return [images[path] for path in paths], on_device
 
 
 def _held_by_kept_conversations(processor, messages: list[dict], paths: list[str], settings: GenerationSettings,
@@ -326,9 +332,8 @@ def _held_by_kept_conversations(processor, messages: list[dict], paths: list[str
 
 
 def _image_plan_and_arguments(processor, loaded: list, on_device: bool, settings: GenerationSettings):
-    """(the slice plan, the processor's image arguments) for the request's images: pixels, or (height, width)
-    pairs of JPEGs left to the engine; where the engine makes every image's slices (`on_device`), the
-    processor is handed stand-ins."""
+    """(the slice plan, the processor's image arguments) for the request's images (pixels, or a JPEG's (height,
+    width)); the processor is handed stand-ins where the engine makes every image's slices (`on_device`)."""
     if not loaded:
         return None, {}
     sizes = [image if isinstance(image, tuple) else tuple(image.shape[1:]) for image in loaded]
@@ -350,7 +355,7 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
 
     left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media)
     on_device = jpegs_on_device and defers_jpegs(processor)  # the engine makes the slices (D43)
-    loaded = left_out or _loaded_images(image_paths, images, on_device)
+    loaded, on_device = (left_out, on_device) if left_out else _loaded_images(image_paths, images, on_device)
     sizes_only = bool(loaded) and (on_device or bool(left_out))  # no pixels for the processor
     plan, processor_kwargs = _image_plan_and_arguments(processor, loaded, sizes_only, settings)
     notices = [plan.notice()] if plan is not None and plan.notice() else []

@@ -18,6 +18,11 @@ from app.media.budget import ImageSlicing
 # hands a tensor of the request's tensors back through shared memory, app.engine.preparers).
 DEFERRED_IMAGES = "images_for_the_device"
 DECODED_PIXELS = "decoded_pixels"
+# A request hands the engine its images' decoded pixels up to this many bytes (a 1344x1344 PNG's are 5.4 MB, and a
+# preparing worker's shared slot holds 8: app.engine.preparers.PIXEL_SLOT_BYTES); past it, its preparer slices
+# them as before, the slices at most about 6 MB a request (the slice budget): 16 images of 64 megapixels would
+# otherwise send 3 GB of pixels through the engine's memory.
+DECODED_PIXELS_MAX_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
