@@ -57,7 +57,8 @@ VISION_SM_CARVEOUT = 0
 STAGED_PIXELS_MB = 2048  # waiting requests' pixels copied to the GPU ahead of their wave
 # 1: on CUDA, where torchvision decodes JPEGs on the GPU (tried once as the model loads), a request's images are
 # prepared without their slices, which the engine makes on the GPU as it stages them (the processor's resize and
-# cut: app.model.jpegs), from the JPEGs' files (nvJPEG) and the other images' pixels their preparer decoded.
+# cut: app.model.jpegs), from the JPEGs' files (nvJPEG) and the other images' pixels their preparer decoded (up to
+# app.engine.jpegs_on_device.DECODED_PIXELS_MAX_BYTES a request; past it, the preparer slices them).
 # Preparing a 1344x1344 JPEG on a CPU core was most of a lone request's first token on an H200 (docs/DECISIONS.md
 # D43). 0: preparers decode and slice every image.
 JPEG_ON_DEVICE = 1

@@ -237,7 +237,7 @@ def holds_every_image(prepared) -> bool:
 
 
 def without_media_before(prepared, position: int) -> None:
-    """Drop the pixels (or the JPEGs left to the engine) of the media whose placeholders all lie before
+    """Drop the pixels (or the images left to the engine to slice) of the media whose placeholders all lie before
     `position`: a kept conversation holds them, so only the rest is encoded."""
     tensors = prepared.tensors
     kept = sum(end <= position for end in prepared.media_ends)

@@ -314,7 +314,7 @@ class ModelManager:
 
     def _prepared(self, messages: list[dict], settings: GenerationSettings, kept_media: frozenset) -> PreparedInputs:
         """The preparer's inputs, with the kept conversation they go on from (if any). Where the engine makes
-        JPEGs' pixels on its GPU, the preparer leaves them to runner.stage_media; images that kept
+        images' slices on its GPU, the preparer leaves them to runner.stage_media; images that kept
         conversations hold (`kept_media`) it does not decode."""
         runner = self.runner  # None while a model is switched in
         prepared = self.preparer.prepare(messages, settings, self.max_context_tokens,

@@ -25,7 +25,9 @@ from app.engine.settings import GenerationSettings
 log = logging.getLogger(__name__)
 
 BY_VALUE_BYTES = 2**20  # a worker's tensors smaller than this come back through the pipe (see _prepare)
-PIXEL_SLOT_BYTES = 8 * 2**20  # one image at the full slice budget (6 MB in uint8); more takes the slow way back
+# One image at the full slice budget (6 MB in uint8), or the decoded images a request hands the engine to slice
+# (app.engine.jpegs_on_device.DECODED_PIXELS_MAX_BYTES); more takes the slow way back.
+PIXEL_SLOT_BYTES = 8 * 2**20
 
 
 def preparer_processes(requested: int, device) -> int:
@@ -87,7 +89,7 @@ class ProcessPreparer:
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
                 jpegs_on_device: bool = False, kept_media: frozenset = frozenset()) -> PreparedInputs:
-        """`jpegs_on_device`: the engine decodes the JPEGs it can itself (app.engine.jpegs_on_device);
+        """`jpegs_on_device`: the engine slices the images, and decodes the JPEGs it can (app.engine.jpegs_on_device);
         `kept_media`: the media kept conversations hold (app.engine.inputs.prepare_inputs)."""
         if self._slots is None:
             return self._through_a_worker(messages, settings, max_context_tokens, None, jpegs_on_device, kept_media)
