@@ -331,15 +331,15 @@ def _held_by_kept_conversations(processor, messages: list[dict], paths: list[str
     return sizes if held else None
 
 
-def _image_plan_and_arguments(processor, loaded: list, on_device: bool, settings: GenerationSettings):
+def _image_plan_and_arguments(processor, loaded: list, stand_ins: bool, settings: GenerationSettings):
     """(the slice plan, the processor's image arguments) for the request's images (pixels, or a JPEG's (height,
-    width)); the processor is handed stand-ins where the engine makes every image's slices (`on_device`)."""
+    width)); the processor is handed `stand_ins` where no slices are made here (the engine makes them, or none)."""
     if not loaded:
         return None, {}
     sizes = [image if isinstance(image, tuple) else tuple(image.shape[1:]) for image in loaded]
     plan = plan_slices(processor.image_processor, sizes, settings.max_slice_nums, settings.downsample_mode,
                        settings.visual_token_budget)
-    return plan, {"images": [stand_in_images(len(loaded)) if on_device else loaded],
+    return plan, {"images": [stand_in_images(len(loaded)) if stand_ins else loaded],
                   "images_kwargs": {"max_slice_nums": plan.max_slice_nums, "downsample_mode": settings.downsample_mode,
                                     "input_data_format": "channels_first"}}  # a 3-pixel side reads as channels
 

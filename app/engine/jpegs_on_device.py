@@ -34,7 +34,7 @@ class DeferredImages:
     paths: tuple[str, ...]
     slicings: tuple[ImageSlicing, ...]
     patch_size: int
-    decoded: tuple = ()
+    decoded: tuple
 
     @property
     def pixel_bytes(self) -> int:

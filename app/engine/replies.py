@@ -114,11 +114,10 @@ def _add_tokens(text: TextAssembler, tokens: list[int], stops: StopTexts | None)
         return False
     for token in tokens:
         text.add(token)
-        if stops is not None:
-            at = stops.find(text.text, text.tokens)
-            if at is not None:
-                text.cut(at)
-                return True
+        at = stops.find(text.text, text.tokens)
+        if at is not None:
+            text.cut(at)
+            return True
     return False
 
 

@@ -2,7 +2,8 @@
 processor makes on a CPU core (app.engine.inputs._uint8_slices), laid out the same, for a request a preparer
 left them to (app.engine.jpegs_on_device). docs/DECISIONS.md D43.
 
-Decoding is nvJPEG's, through torchvision; other images come decoded by their preparer. The resize is the processor's, torchvision's bicubic resize with
+Decoding is nvJPEG's, through torchvision; other images come decoded by their preparer. The resize is the
+processor's, torchvision's bicubic resize with
 antialiasing of a uint8 image, as PyTorch computes it on the CPU: in fixed point, int16 weights at a
 precision chosen from the largest weight, the width first then the height, each pass rounded and clamped
 back to uint8 (aten/src/ATen/native/cpu/UpSampleKernel.cpp, _compute_index_ranges_int16_weights). On CUDA
@@ -39,10 +40,9 @@ def slices(deferred: DeferredImages, device, resize=None, pixels: torch.Tensor |
     `resize` (images, height, width), by default `resized` on a GPU and on the CPU the processor's own call,
     which is faster there. A JPEG that cannot be decoded is refused with the app's message for an unreadable image."""
     resize = resize or (resized if device.type != "cpu" else processor_resized)
-    places = deferred.decoded or (None,) * len(deferred.paths)
-    jpegs = iter(decoded(tuple(path for path, place in zip(deferred.paths, places) if place is None), device))
+    jpegs = iter(decoded(tuple(path for path, place in zip(deferred.paths, deferred.decoded) if place is None), device))
     views = []
-    for path, place, slicing in zip(deferred.paths, places, deferred.slicings):
+    for path, place, slicing in zip(deferred.paths, deferred.decoded, deferred.slicings):
         if place is None:
             image = next(jpegs)
         else:

@@ -115,7 +115,6 @@ class Rows:
     last_rows: torch.Tensor | None = None
     bounds: torch.Tensor | None = None
     device_bounds: torch.Tensor | None = None
-    first_slot: int = 0
     sequences: int = 1
     sees: torch.Tensor | None = None
     attention: PackedAttention | None = None  # packed only
@@ -135,8 +134,7 @@ class Rows:
         shape = (len(lengths), conv_width)
         attention = PackedAttention.planned(lengths, [0] * len(lengths), list(range(first_slot, first_slot + len(lengths))), device)
         return cls(slots, columns, columns, columns, lengths, prompt_slots, tail_rows.view(shape),
-                   tail_exists.view(shape).bool(), device_bounds[1:] - 1, bounds, device_bounds, first_slot,
-                   attention=attention)
+                   tail_exists.view(shape).bool(), device_bounds[1:] - 1, bounds, device_bounds, attention=attention)
 
     @classmethod
     def padded(cls, pads: torch.Tensor, prompt_slots: torch.Tensor, length: int, conv_width: int) -> "Rows":
@@ -160,7 +158,7 @@ class Rows:
 class ContinuedRows:
     """A prefill of prompts that go on from what their slots hold (a conversation's earlier turns, kept by
     app.engine.conversations): prompt i's `lengths[i]` new tokens, packed back to back, after the
-    `starts[i]` tokens of slot `slot_list[i]`. Each new token's column and rotary position is its place
+    `starts[i]` tokens of slot `slot_list[i]` (packed: `attention` plans their attention). Each new token's column and rotary position is its place
     in the whole conversation (plain token counts: prompts with canvas positions never go on this way).
 
     The DeltaNet convolution reads each prompt's kept inputs (the slot's convolution state, `width` rows)
@@ -171,8 +169,6 @@ class ContinuedRows:
     columns: torch.Tensor
     rope_positions: torch.Tensor
     lengths: list[int]
-    starts: list[int]
-    slot_list: list[int]
     prompt_slots: torch.Tensor
     bounds: torch.Tensor
     device_bounds: torch.Tensor
@@ -201,8 +197,7 @@ class ContinuedRows:
         block = torch.arange(sequences, device=device)[:, None] * (width + length)
         tails = block + lengths[:, None] + torch.arange(width, device=device)
         sees = torch.arange(columns, device=device)[None, None, :] <= (starts[:, None] + place)[:, :, None]
-        return cls(prompt_slots.repeat_interleave(length), column, column, [length] * sequences, [], [],
-                   prompt_slots, None, None, torch.arange(sequences, device=device) * length + lengths - 1,
+        return cls(prompt_slots.repeat_interleave(length), column, column, [length] * sequences, prompt_slots, None, None, torch.arange(sequences, device=device) * length + lengths - 1,
                    (block + torch.arange(width, device=device)).flatten(), (block + width + place).flatten(),
                    torch.arange(width + length, device=device).repeat(sequences), tails, sequences,
                    (place < lengths[:, None]).flatten(), sees)
@@ -220,6 +215,6 @@ class ContinuedRows:
         tail_rows = blocks[1:, None] - width + torch.arange(width)
         parts = [columns, slots, prompt_slots, bounds, state_rows, token_rows, places, tail_rows.flatten()]
         columns, slots, prompt_slots, device_bounds, state_rows, token_rows, places, tail_rows = in_one_copy(parts, device)
-        return cls(slots, columns, columns, lengths, starts, slot_list, prompt_slots, bounds, device_bounds,
+        return cls(slots, columns, columns, lengths, prompt_slots, bounds, device_bounds,
                    device_bounds[1:] - 1, state_rows, token_rows, places, tail_rows.view(len(lengths), width),
                    attention=PackedAttention.planned(lengths, starts, slot_list, device))
