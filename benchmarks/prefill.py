@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import AppConfig  # noqa: E402
 from app.model.backends import FusedText  # noqa: E402
-from app.model.cuda_graphs import PREFILL_GRAPH_ROWS, LaunchedPrefills  # noqa: E402
+from app.model.cuda_graphs import PREFILL_GRAPH_LENGTHS, LaunchedPrefills  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
 from app.model.text.layers import PromptEmbedder, TransformersText  # noqa: E402
@@ -118,7 +118,7 @@ def main() -> None:
                 difference = max(float((ours.float() - reference.float()).abs().max()) for ours, reference in zip(features, theirs))
                 wave.update(vision_ms_through_transformers=round(theirs_ms, 1), max_abs_feature_diff=difference,
                             max_abs_feature=float(theirs[0].float().abs().max()))
-            if not isinstance(prefill_graphs, LaunchedPrefills) and rows in PREFILL_GRAPH_ROWS:  # the captured prefill against launches
+            if not isinstance(prefill_graphs, LaunchedPrefills) and rows in PREFILL_GRAPH_LENGTHS:  # the captured prefill against launches
                 logits = logits.clone()  # the graph's output, overwritten by its next replay
                 eager_ms, eager = timed(synchronize, lambda: text_eager(rows, features), args.runs)
                 wave.update(text_ms_launched=round(eager_ms, 1),

@@ -167,3 +167,32 @@ def test_kept_states_come_back_whole_into_other_slots(monkeypatch):
         assert torch.equal(store.recurrent[0][target], before["recurrent"][source])
         assert torch.equal(store.conv[0][target], before["conv"][source])
     assert kept[0].nbytes == kept[0].states.numel() + 2 * 2 * 6 * 4 * 4  # keys and values of 6 columns, fp32
+
+
+def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_own(monkeypatch):
+    from types import SimpleNamespace
+
+    from app.model.runner import BatchRunner
+
+    store = filled_store()  # one attention layer: 2 heads of 4 fp32 keys and values, 64 bytes a column
+    assert store.column_bytes() == 64
+    gigabyte = 10**9
+    card = SimpleNamespace(total_memory=80 * gigabyte)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
+    monkeypatch.setattr("app.tuning.RESERVED_COLUMNS", 1024)
+    monkeypatch.setattr("app.tuning.RESERVED_COLUMNS_SHARE", 0.08)
+
+    def reserved(rows: int, reads_every_column: bool = False, device: str = "cuda", runner_store=store) -> int:
+        runner = SimpleNamespace(text=SimpleNamespace(reads_every_column=reads_every_column),
+                                 device=torch.device(device), store=runner_store)
+        return BatchRunner._reserved_columns(runner, rows)
+
+    rows = 6.4 * gigabyte // (64 * 2048)  # a batch whose 2,048 columns take 6.4 GB: within 8% of 80 GB, not 4,096
+    columns = reserved(rows)
+    assert columns == 2048 and rows * 64 * columns <= 0.08 * card.total_memory < rows * 64 * columns * 2
+    card.total_memory = 48 * gigabyte
+    assert reserved(rows) == 1024
+    assert reserved(rows // 8) == 8192
+    assert reserved(rows, reads_every_column=True) == 1024
+    assert reserved(rows, device="cpu") == 1024
+    assert reserved(rows, runner_store=type(store)(torch.device("cpu"))) == 1024  # no attention layer: nothing to size

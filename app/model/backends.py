@@ -2,8 +2,9 @@
 
 The runner (app.model.runner) holds one text backend and one vision backend and never asks which it
 has. A text backend has prefill(prompts, first_slot), decode_step(tokens, positions), capture(max_rows)
-(its small prefills as CUDA graphs, where it has any), clear(), and `continues`: whether it has
-prefill_continued (a prompt going on from a slot's kept state; the fused model only); a vision backend has
+(its small prefills as CUDA graphs, where it has any), clear(), `continues`: whether it has
+prefill_continued (a prompt going on from a slot's kept state; the fused model only), and
+`reads_every_column`: whether its decode step reads every column the store reserves; a vision backend has
 features(pixels, sizes, mode).
 
 - Text: app.model.text.fused where the checkpoint is the architecture it writes out with plain linear
@@ -28,6 +29,7 @@ class FusedText:
     go through transformers' layers, which it keeps for them."""
 
     continues = True  # prefill_continued: a prompt can go on from a conversation's kept state
+    reads_every_column = False  # the decode step's attention reads each request's own columns
 
     def __init__(self, fused: FusedTextModel, through_transformers: TransformersText, embedded: PromptEmbedder,
                  capture_prefills: bool):

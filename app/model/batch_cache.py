@@ -61,6 +61,10 @@ class SlotStore:
         self.slot_capacity, self.column_capacity = new_slots, new_columns
         self.generation += 1
 
+    def column_bytes(self) -> int:
+        """Bytes one column of one slot takes: a token's keys and values in every full-attention layer."""
+        return sum(t[0, :, 0].numel() * t.element_size() for states in (self.keys, self.values) for t in states.values())
+
     def ensure_layer(self, states: dict, layer: int, like: torch.Tensor, columns: bool) -> torch.Tensor:
         """The layer's tensor, created at first use with the shape and dtype of one sequence's state."""
         if layer not in states:

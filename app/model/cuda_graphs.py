@@ -1,5 +1,5 @@
-"""CUDA graphs of the decode step (one per batch-size bucket) and of small text prefills (waves of 1, 2 or 4
-prompts up to 1,024 tokens): even fused, a step is a chain of a few hundred small kernels, and launching
+"""CUDA graphs of the decode step (one per batch-size bucket) and of text prefills of few tokens (waves of 1,
+2 or 4 prompts up to 1,024 tokens, of up to 64 prompts of short ones): even fused, a step is a chain of a few hundred small kernels, and launching
 them from Python would cost more than running them. Captured at warm-up, replayed while serving, and
 captured again only when the slot store moves its tensors (app.model.batch_cache)."""
 
@@ -14,11 +14,14 @@ log = logging.getLogger(__name__)
 
 # Batch sizes a captured decode step exists for; a batch runs in the smallest bucket that holds it.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# Prefill waves a captured text prefill exists for (waves have 2^k prompts): their prompts' count, and
-# the lengths they are front-padded to, at most the store's reserved columns (a longer one would grow
-# the store, and so recapture every graph). Larger waves are bound by the GPU, not by launches.
-PREFILL_GRAPH_ROWS = (1, 2, 4)
-PREFILL_GRAPH_LENGTHS = (64, 128, 256, 512, 768, 1024)
+# Prefill waves a captured text prefill exists for (waves have 2^k prompts), by their prompts' count: the
+# lengths they are front-padded to, at most the store's reserved columns (a longer one would grow the store,
+# and so recapture every graph). Large waves of short prompts (text chat, a small image) too: launched,
+# their thousand kernels took longer than their GPU work (docs/DECISIONS.md D46); large waves of long
+# prompts are bound by the GPU.
+PREFILL_GRAPH_LENGTHS = {1: (64, 128, 256, 512, 768, 1024), 2: (64, 128, 256, 512, 768, 1024),
+                         4: (64, 128, 256, 512, 768, 1024), 8: (64, 128, 256), 16: (64, 128, 256), 32: (64, 128),
+                         64: (64, 128)}
 
 
 @functools.cache
@@ -94,8 +97,8 @@ class PrefillGraphs(GraphSet):
         """Capture every bucket that fits the store now, each with a throwaway prompt into the first slots."""
         hidden = self.fused.embed.embedding_dim
         dtype = self.fused.embed.weight.dtype
-        for rows in PREFILL_GRAPH_ROWS:
-            for length in PREFILL_GRAPH_LENGTHS:
+        for rows, lengths in PREFILL_GRAPH_LENGTHS.items():
+            for length in lengths:
                 if rows <= max_rows and not self.given_up:
                     self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.store.device), [1] * rows, 0,
                              length)
@@ -107,11 +110,11 @@ class PrefillGraphs(GraphSet):
         that holds it."""
         if self.given_up:
             return None
-        length = length or next((size for size in PREFILL_GRAPH_LENGTHS if size >= max(lengths)), None)
-        if len(lengths) not in PREFILL_GRAPH_ROWS or length is None or length > self.store.column_capacity:
+        rows = len(lengths)
+        length = length or next((size for size in PREFILL_GRAPH_LENGTHS.get(rows, ()) if size >= max(lengths)), None)
+        if length is None or length > self.store.column_capacity:
             return None
         self._drop_if_stale()
-        rows = len(lengths)
         captured = self.captured.get((rows, length))
         if captured is None:
             device = self.store.device
@@ -148,10 +151,10 @@ class PrefillGraphs(GraphSet):
 
 # Waves a captured continued prefill exists for (prompts going on from kept states: a follow-up's new turn,
 # and every prompt's generation prompt after its state is kept; app.engine.conversations), by their prompts'
-# count: the lengths they are padded to. Large waves only for the generation prompts (a few tokens each),
-# which else would add a wave's launches from Python to every large wave.
-CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16,),
-                           16: (16,), 32: (16,), 64: (16,)}
+# count: the lengths they are padded to. Large waves for the generation prompts (a few tokens each), which
+# else would add a wave's launches from Python to every large wave, and for 8 or 16 follow-ups' new turns.
+CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16, 256),
+                           16: (16, 256), 32: (16,), 64: (16,)}
 # The columns a captured continued prefill's attention reads of each slot (at most the store's): every one,
 # however short the conversation, so not more; a prompt that would reach past them is launched.
 CONTINUED_GRAPH_COLUMNS = 2048

@@ -259,13 +259,27 @@ class BatchRunner:
         33 recaptures in one benchmark run on an H200. Columns still grow for long requests.
         """
         self.prefill([(torch.zeros((1, 1), dtype=torch.long), None, None)], 0, tuning.RESERVED_COLUMNS)  # every layer's state
+        columns = self._reserved_columns(max_rows)
         if self.continues:  # a wave too large for a captured continued prefill goes on packed: its kernels built now
             rows = min(max_rows, 8)
             self.prefill_continued([(torch.zeros((1, 64), dtype=torch.long), None)] * rows, [1] * rows, list(range(rows)),
-                                   tuning.RESERVED_COLUMNS)
-        self.store.reserve(max_rows, tuning.RESERVED_COLUMNS)
+                                   columns)
+        self.store.reserve(max_rows, columns)
         self.steps.capture_all(max_rows)
         self.text.capture(max_rows)
+
+    def _reserved_columns(self, max_rows: int) -> int:
+        """Columns to reserve for each of `max_rows` slots: RESERVED_COLUMNS, doubled while their keys and
+        values stay within RESERVED_COLUMNS_SHARE of the card where the decode step reads only each request's
+        own columns (more costs memory alone, and spares a long conversation's growing the store, which
+        captures every graph again: docs/DECISIONS.md D46)."""
+        columns, column_bytes = tuning.RESERVED_COLUMNS, self.store.column_bytes() * max_rows
+        if self.text.reads_every_column or self.device.type != "cuda" or not column_bytes:
+            return columns
+        budget = tuning.RESERVED_COLUMNS_SHARE * torch.cuda.get_device_properties(self.device).total_memory
+        while column_bytes * columns * 2 <= budget:
+            columns *= 2
+        return columns
 
     def release(self) -> None:
         self.store.release()

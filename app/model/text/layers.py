@@ -39,6 +39,7 @@ class TransformersText:
     """The runner's text backend through transformers' layers (see app.model.backends)."""
 
     continues = False  # no prefill_continued: conversations are not kept on this path
+    reads_every_column = True  # the decode step's attention reads every column the store reserves
 
     def __init__(self, model, store, embedded: PromptEmbedder):
         self.model, self.store, self.embedded = model, store, embedded
