@@ -29,7 +29,7 @@ DECODED_PIXELS_MAX_BYTES = 8 * 2**20
 class DeferredImages:
     """A request's images in prompt order, with how the processor cuts each (its source view and slices), and
     where each one's pixels come from: None for a JPEG the engine decodes from its file
-    (app.media.images.jpeg_for_the_device), else (offset, (3, height, width)) in the request's DECODED_PIXELS."""
+    (app.media.images.jpeg_for_the_device), else (offset, (height, width, 3)) in the request's DECODED_PIXELS."""
 
     paths: tuple[str, ...]
     slicings: tuple[ImageSlicing, ...]
@@ -63,11 +63,14 @@ def deferred_images(paths: list[str], loaded: list, slicings: tuple[ImageSlicing
         if isinstance(image, tuple):
             decoded.append(None)
         else:
-            decoded.append((offset, tuple(image.shape)))
-            pixels.append(image.reshape(-1))
-            offset += image.numel()
+            # Rows of pixels, as the decoders lay them out: flattened without a copy (channel by channel, a 1344x1344
+            # PNG's was 3-9 ms of a core, and joining the images 9-30 ms more, which one image now skips).
+            rows = image.permute(1, 2, 0)
+            decoded.append((offset, tuple(rows.shape)))
+            pixels.append(rows.reshape(-1))
+            offset += rows.numel()
     deferred = DeferredImages(tuple(paths), slicings, patch_size, tuple(decoded))
-    return {DEFERRED_IMAGES: deferred, **({DECODED_PIXELS: torch.cat(pixels)} if pixels else {})}
+    return {DEFERRED_IMAGES: deferred, **({DECODED_PIXELS: pixels[0] if len(pixels) == 1 else torch.cat(pixels)} if pixels else {})}
 
 
 def defers_jpegs(processor) -> bool:

@@ -47,7 +47,7 @@ def slices(deferred: DeferredImages, device, resize=None, pixels: torch.Tensor |
             image = next(jpegs)
         else:
             offset, shape = place
-            image = pixels[offset:offset + torch.Size(shape).numel()].view(shape).to(device)
+            image = pixels[offset:offset + torch.Size(shape).numel()].view(shape).to(device).permute(2, 0, 1)
         if tuple(image.shape[-2:]) != slicing.size:  # not what its header said: its tokens would not fit
             raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
         views.append(image_views(image, slicing, deferred.patch_size, resize))
