@@ -26,10 +26,12 @@ PREFILL_LENGTH_MULTIPLE = 64
 # column (the fused one reads each request's own), so not more.
 RESERVED_COLUMNS = 1024
 # Where the decode step reads only each request's own columns (the fused text model), the warm-up doubles the
-# reserved columns while a whole batch's keys and values take at most this share of the GPU's memory: 2,048
-# on an H100 or H200 (6.4 GB for 256 slots), so that a conversation passing 1,024 tokens does not grow the
-# store and capture every graph again (docs/DECISIONS.md D46); 1,024 on a 48 GB card.
+# reserved columns, up to RESERVED_COLUMNS_MAX, while a whole batch's keys and values take at most this share of
+# the GPU's memory: 2,048 on an H100 or H200 (6.4 GB for 256 slots), so that a conversation passing 1,024 tokens
+# (a follow-up's fourth turn about a photo) does not grow the store and capture every graph again
+# (docs/DECISIONS.md D46); 1,024 for 256 slots on a 48 GB card.
 RESERVED_COLUMNS_SHARE = 0.08
+RESERVED_COLUMNS_MAX = 2048
 # 1: the text model runs as app.model.text.fused writes it (decode step and prefill) where the checkpoint
 # allows; 0: through transformers' layers.
 FUSED_TEXT_MODEL = 1
@@ -125,6 +127,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "PREFILL_TOKENS_PER_STEP",
     "RESERVED_COLUMNS",
     "RESERVED_COLUMNS_SHARE",
+    "RESERVED_COLUMNS_MAX",
     "FUSED_TEXT_MODEL",
     "ONE_ROW_LINEAR",
     "CONVERSATION_CACHE",

@@ -1,8 +1,9 @@
 """What a kept conversation changes in the numbers, and what its prefill costs: a prompt prefilled whole
 against the same prompt prefilled in two parts (up to its last turn's start, then the rest from the kept
-state), by each way the second part can run: a captured graph (waves of 1, 2 or 4 prompts) and packed,
-launched from Python (larger waves). Prints the largest logit difference, whether the chosen token agrees,
-and the GPU time of each way, median over --runs.
+state), by each way the second part can run: a captured graph (1, 4 or 8 prompts:
+app.model.cuda_graphs.CONTINUED_GRAPH_LENGTHS) and packed, launched from Python (3 prompts, a count with no
+graph). Prints the largest logit difference, whether the chosen token agrees, and the GPU time of each way,
+median over --runs.
 
 Random weights at the real MiniCPM-V 4.6 shape by default; the prompt is the benchmarks' 1344x1344 image
 and question (benchmarks/real_shape.py), prepared as the engine prepares it:
@@ -63,7 +64,9 @@ def main() -> None:
         head, head_ms = timed(lambda: runner.prefill([(ids[:, :turn], features, None)], 0, columns), cuda, args.runs)
         kept = runner.snapshots([0], [turn])[0]
         rows = {}
-        for name, count in (("1 prompt (a captured graph on CUDA)", 1), ("4 prompts (a captured graph on CUDA)", 4), ("8 prompts, packed", 8)):
+        ways = (("1 prompt (a captured graph on CUDA)", 1), ("4 prompts (a captured graph on CUDA)", 4),
+                ("8 prompts (a captured graph on CUDA)", 8), ("3 prompts, packed", 3))
+        for name, count in ways:
             def going_on():
                 runner.restore([kept] * count, list(range(count)), columns)
                 return runner.prefill_continued([(ids[:, turn:], None)] * count, [turn] * count, list(range(count)), columns)

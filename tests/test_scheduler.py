@@ -172,27 +172,37 @@ def test_kept_states_come_back_whole_into_other_slots(monkeypatch):
 def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_own(monkeypatch):
     from types import SimpleNamespace
 
+    from app.model.backends import FusedText
     from app.model.runner import BatchRunner
+    from app.model.text.layers import TransformersText
 
-    store = filled_store()  # one attention layer: 2 heads of 4 fp32 keys and values, 64 bytes a column
-    assert store.column_bytes() == 64
+    assert not FusedText.reads_every_column and TransformersText.reads_every_column
     gigabyte = 10**9
     card = SimpleNamespace(total_memory=80 * gigabyte)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
-    monkeypatch.setattr("app.tuning.RESERVED_COLUMNS", 1024)
-    monkeypatch.setattr("app.tuning.RESERVED_COLUMNS_SHARE", 0.08)
+    for name, value in (("RESERVED_COLUMNS", 1024), ("RESERVED_COLUMNS_SHARE", 0.08), ("RESERVED_COLUMNS_MAX", 2048)):
+        monkeypatch.setattr(f"app.tuning.{name}", value)
 
-    def reserved(rows: int, reads_every_column: bool = False, device: str = "cuda", runner_store=store) -> int:
-        runner = SimpleNamespace(text=SimpleNamespace(reads_every_column=reads_every_column),
-                                 device=torch.device(device), store=runner_store)
-        return BatchRunner._reserved_columns(runner, rows)
+    def runner(rows_store, reads_every_column=False, device="cuda"):
+        """The parts of a BatchRunner its warm-up's reservation uses: a real slot store (on the CPU, the
+        runner's device named apart), the GPU's work stubbed."""
+        made = SimpleNamespace(text=SimpleNamespace(reads_every_column=reads_every_column, capture=lambda rows: None),
+                               device=torch.device(device), store=rows_store, continues=False,
+                               steps=SimpleNamespace(capture_all=lambda rows: None), prefill=lambda *args: None)
+        made._reserved_columns = lambda rows: BatchRunner._reserved_columns(made, rows)
+        return made
 
-    rows = 6.4 * gigabyte // (64 * 2048)  # a batch whose 2,048 columns take 6.4 GB: within 8% of 80 GB, not 4,096
-    columns = reserved(rows)
-    assert columns == 2048 and rows * 64 * columns <= 0.08 * card.total_memory < rows * 64 * columns * 2
+    store = filled_store()  # one attention layer: 2 heads of 4 fp32 keys and values, 64 bytes a column
+    assert store.column_bytes() == 64
+    rows = 6.4 * gigabyte // (64 * 2048)  # a batch whose 2,048 columns take 6.4 GB: within 8% of 80 GB
+    assert BatchRunner._reserved_columns(runner(store), rows) == 2048
+    assert BatchRunner._reserved_columns(runner(store), 8) == 2048  # a small batch: no further than the most
     card.total_memory = 48 * gigabyte
-    assert reserved(rows) == 1024
-    assert reserved(rows // 8) == 8192
-    assert reserved(rows, reads_every_column=True) == 1024
-    assert reserved(rows, device="cpu") == 1024
-    assert reserved(rows, runner_store=type(store)(torch.device("cpu"))) == 1024  # no attention layer: nothing to size
+    assert BatchRunner._reserved_columns(runner(store), rows) == 1024
+    assert BatchRunner._reserved_columns(runner(store, reads_every_column=True), 8) == 1024
+    assert BatchRunner._reserved_columns(runner(store, device="cpu"), 8) == 1024
+    assert BatchRunner._reserved_columns(runner(type(store)(torch.device("cpu"))), 8) == 1024  # no attention layer yet
+
+    card.total_memory = 80 * gigabyte
+    BatchRunner._reserve_batch(runner(store), 8)  # the warm-up's last step: the whole batch's slots taken
+    assert (store.slot_capacity, store.column_capacity) == (8, 2048) and store.keys[3].shape[2] == 2048

@@ -24,7 +24,7 @@ from app.model.vision.tower import TransformersVisionTower
 
 
 class FusedText:
-    """The fused text model as a text backend: prompts packed back to back, small waves replayed from
+    """The fused text model as a text backend: prompts packed back to back, waves of few tokens replayed from
     captured graphs. MiniCPM-V 4.7's prompts with images (canvas positions, three M-RoPE channels apart)
     go through transformers' layers, which it keeps for them."""
 
@@ -49,7 +49,7 @@ class FusedText:
 
     def prefill_continued(self, prompts: list[tuple], starts: list[int], slots: list[int]) -> torch.Tensor:
         """Prompts (input ids [1, length], visual features) that go on from the `starts[i]` tokens slots[i]
-        holds; small waves replayed from captured graphs."""
+        holds; waves of few tokens replayed from captured graphs."""
         features = [f for _, f in prompts if f is not None]
         embeddings = self.embedded(torch.cat([input_ids for input_ids, _ in prompts], dim=1),
                                    torch.cat(features) if features else None)[0]

@@ -77,7 +77,7 @@ class GraphSet:
 
 
 class PrefillGraphs(GraphSet):
-    """The fused text prefill of small waves captured as a CUDA graph per (prompts, padded length).
+    """The fused text prefill of waves of few tokens captured as a CUDA graph per (prompts, padded length).
 
     A lone prompt's text prefill is about a thousand kernels, launched from Python: 28-37 ms on an H200
     for about 4 ms of GPU work (flash-linear-attention's chunked delta rule alone goes through autograd,

@@ -31,7 +31,7 @@ class Span:
     end_ns: int
     stream: int
     name: str
-    from_graph: bool  # launched by a CUDA graph's replay (the decode step, small waves' text prefill)
+    from_graph: bool  # launched by a CUDA graph's replay (the decode step, text prefills of few tokens)
 
 
 def kind(span: Span) -> str:

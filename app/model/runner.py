@@ -252,7 +252,7 @@ class BatchRunner:
 
     def _reserve_batch(self, max_rows: int) -> None:
         """Take the store's slots for a whole batch now, and capture the decode step of every bucket (and
-        the small waves' prefill).
+        the prefills of few tokens).
 
         Else the store grows with the batch in service, and each growth moves its tensors and so
         recaptures the decode step of each bucket met next (about 0.1 s each, every stream stalled):
@@ -269,15 +269,15 @@ class BatchRunner:
         self.text.capture(max_rows)
 
     def _reserved_columns(self, max_rows: int) -> int:
-        """Columns to reserve for each of `max_rows` slots: RESERVED_COLUMNS, doubled while their keys and
-        values stay within RESERVED_COLUMNS_SHARE of the card where the decode step reads only each request's
-        own columns (more costs memory alone, and spares a long conversation's growing the store, which
-        captures every graph again: docs/DECISIONS.md D46)."""
+        """Columns to reserve for each of `max_rows` slots: RESERVED_COLUMNS, doubled up to
+        RESERVED_COLUMNS_MAX while their keys and values stay within RESERVED_COLUMNS_SHARE of the card, where
+        the decode step reads only each request's own columns (more costs memory, not reading; and spares a
+        conversation past RESERVED_COLUMNS' growing the store, which captures every graph again: docs/DECISIONS.md D46)."""
         columns, column_bytes = tuning.RESERVED_COLUMNS, self.store.column_bytes() * max_rows
         if self.text.reads_every_column or self.device.type != "cuda" or not column_bytes:
             return columns
         budget = tuning.RESERVED_COLUMNS_SHARE * torch.cuda.get_device_properties(self.device).total_memory
-        while column_bytes * columns * 2 <= budget:
+        while columns * 2 <= tuning.RESERVED_COLUMNS_MAX and column_bytes * columns * 2 <= budget:
             columns *= 2
         return columns
 

@@ -324,7 +324,7 @@ MAX_ATTENTION_PARTS = 16
 def attend(query, keys, values, positions, scale, projection):
     n, heads, head_dim = query.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
-    # Parts of 128 columns, at most 16 of them (a power of two): 8 for the 1,024 reserved columns.
+    # Parts of 128 columns, at most 16 of them (a power of two): 8 for 1,024 reserved columns, 16 for 2,048 (D46).
     parts = min(MAX_ATTENTION_PARTS, triton.next_power_of_2(triton.cdiv(capacity, 128)))
     chunk = triton.cdiv(triton.cdiv(capacity, parts), ATTENTION_BLOCK) * ATTENTION_BLOCK
     part = torch.empty((n, heads, parts, head_dim), dtype=torch.float32, device=query.device)
