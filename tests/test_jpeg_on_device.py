@@ -1,4 +1,4 @@
-"""JPEGs whose pixels the engine makes itself (docs/DECISIONS.md D42), checked on the CPU: a preparer that
+"""JPEGs whose pixels the engine makes itself (docs/DECISIONS.md D43), checked on the CPU: a preparer that
 leaves them out gives the prompt the processor gives, the engine's decode, resize and slices (app.model.jpegs,
 run here on CPU tensors) give the processor's pixels bit for bit, what the GPU path cannot match stays on the
 CPU, and a JPEG that cannot be decoded fails its own request alone."""
