@@ -69,8 +69,10 @@ def deferred_images(paths: list[str], loaded: list, slicings: tuple[ImageSlicing
             decoded.append((offset, tuple(rows.shape)))
             pixels.append(rows.reshape(-1))
             offset += rows.numel()
-    deferred = DeferredImages(tuple(paths), slicings, patch_size, tuple(decoded))
-    return {DEFERRED_IMAGES: deferred, **({DECODED_PIXELS: pixels[0] if len(pixels) == 1 else torch.cat(pixels)} if pixels else {})}
+    tensors = {DEFERRED_IMAGES: DeferredImages(tuple(paths), slicings, patch_size, tuple(decoded))}
+    if pixels:
+        tensors[DECODED_PIXELS] = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
+    return tensors
 
 
 def defers_jpegs(processor) -> bool:

@@ -101,7 +101,8 @@ class SlotStore:
         layout = _StateLayout.of(self)
         taken = []
         for first in range(0, len(slots), SNAPSHOT_SLOTS):
-            some, count = slots[first:first + SNAPSHOT_SLOTS], len(slots[first:first + SNAPSHOT_SLOTS])
+            some = slots[first:first + SNAPSHOT_SLOTS]
+            count = len(some)
             index = in_one_copy([torch.tensor(some)], self.device)[0]
             wave = torch.empty((count, layout.nbytes), dtype=torch.uint8, device=self.device)
             for states, layer, offset, shape, dtype in layout.parts(self):

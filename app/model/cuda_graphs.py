@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step (one per batch-size bucket) and of text prefills of few tokens (waves of 1,
-2 or 4 prompts up to 1,024 tokens, of up to 64 prompts of short ones): even fused, a step is a chain of a few hundred small kernels, and launching
-them from Python would cost more than running them. Captured at warm-up, replayed while serving, and
-captured again only when the slot store moves its tensors (app.model.batch_cache)."""
+2 or 4 prompts up to 1,024 tokens, of up to 64 prompts of short ones): even fused, a step is a chain of a few
+hundred small kernels, and launching them from Python would cost more than running them. Captured at warm-up,
+replayed while serving, and captured again only when the slot store moves its tensors (app.model.batch_cache)."""
 
 import functools
 import logging

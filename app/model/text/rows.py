@@ -158,8 +158,8 @@ class Rows:
 class ContinuedRows:
     """A prefill of prompts that go on from what their slots hold (a conversation's earlier turns, kept by
     app.engine.conversations): prompt i's `lengths[i]` new tokens, packed back to back, after the
-    `starts[i]` tokens of slot `slot_list[i]` (packed: `attention` plans their attention). Each new token's column and rotary position is its place
-    in the whole conversation (plain token counts: prompts with canvas positions never go on this way).
+    `starts[i]` tokens of slot `slot_list[i]` (packed: `attention` plans their attention). Each new token's column
+    and rotary position is its place in the whole conversation (plain token counts: prompts with canvas positions never go on this way).
 
     The DeltaNet convolution reads each prompt's kept inputs (the slot's convolution state, `width` rows)
     before its new ones: `conv_*` lay that input out, block after block, and say where the new state's
@@ -197,7 +197,8 @@ class ContinuedRows:
         block = torch.arange(sequences, device=device)[:, None] * (width + length)
         tails = block + lengths[:, None] + torch.arange(width, device=device)
         sees = torch.arange(columns, device=device)[None, None, :] <= (starts[:, None] + place)[:, :, None]
-        return cls(prompt_slots.repeat_interleave(length), column, column, [length] * sequences, prompt_slots, None, None, torch.arange(sequences, device=device) * length + lengths - 1,
+        return cls(prompt_slots.repeat_interleave(length), column, column, [length] * sequences, prompt_slots, None, None,
+                   torch.arange(sequences, device=device) * length + lengths - 1,
                    (block + torch.arange(width, device=device)).flatten(), (block + width + place).flatten(),
                    torch.arange(width + length, device=device).repeat(sequences), tails, sequences,
                    (place < lengths[:, None]).flatten(), sees)
