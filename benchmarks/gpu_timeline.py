@@ -11,6 +11,7 @@ in the engine's process, the busy time per request, and what the engine served i
 unprofiled one shows what the profiler itself costs). Needs a CUDA GPU:
 
     python benchmarks/gpu_timeline.py --users 200 --settle 10 --seconds 6 --json timeline.json
+    python benchmarks/gpu_timeline.py --workload text --users 200 --settle 8 --seconds 4   # concurrency.py's workloads
 """
 
 import argparse
@@ -22,10 +23,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.requesters import engine_request  # noqa: E402
+from benchmarks.requesters import engine_request, engine_requester  # noqa: E402
 from benchmarks.users import drive_users  # noqa: E402
 from benchmarks.real_shape import DEFAULT_FOLDER, benchmark_request, ensure_real_shape_checkpoint  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
+from benchmarks.workloads import WORKLOADS, make_workload  # noqa: E402
 
 
 def served(start: dict, end: dict, seconds: float) -> dict:
@@ -47,6 +49,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0,
                         help="seconds of each window (more than one cycle of waves and decode steps at 200 users)")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--workload", choices=WORKLOADS,
+                        help="each user's requests, as concurrency.py's --workload (default: benchmark_request's 1344x1344 PNG)")
     parser.add_argument("--in-process-engine", action="store_true", help="the engine in this process (the first runs')")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -65,10 +69,16 @@ def main() -> None:
     manager = (EngineProcess if config.engine_process else ModelManager)(config)
     manager.load()
     manager.warm_up()
-    _, messages = benchmark_request()
-    settings = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    settings = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    if args.workload:
+        workload = make_workload(args.workload)
+        generation = GenerationSettings(**settings, **workload.settings)
+        requesters = [engine_requester(manager, workload, generation, user) for user in range(args.users)]
+    else:
+        _, messages = benchmark_request()
+        generation = GenerationSettings(**settings)
+        requesters = [lambda abort: engine_request(manager, messages, generation, abort)] * args.users
     stop_at = time.time() + args.settle + 2 * args.seconds + 6.5  # the profile starts 1.5 s after its call
-    requesters = [lambda abort: engine_request(manager, messages, settings, abort)] * args.users
     users = threading.Thread(target=drive_users, daemon=True, args=(requesters, stop_at, stop_at + 30))
     users.start()
     time.sleep(args.settle)
@@ -79,7 +89,7 @@ def main() -> None:
     counters = timeline.pop("counters")
     profiled = served(counters["start"], counters["end"], args.seconds)
     report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "users": args.users, "seconds": args.seconds,
+              "users": args.users, "workload": args.workload or "image-1344 (benchmark_request)", "seconds": args.seconds,
               "engine": "process of its own" if config.engine_process else "in-process", **timeline,
               "profiled": profiled, "unprofiled": unprofiled,
               # A request's worth: its new tokens among those decoded in the window (the requests finished in
