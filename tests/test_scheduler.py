@@ -167,6 +167,9 @@ def test_kept_states_come_back_whole_into_other_slots(monkeypatch):
         assert torch.equal(store.recurrent[0][target], before["recurrent"][source])
         assert torch.equal(store.conv[0][target], before["conv"][source])
     assert kept[0].nbytes == kept[0].states.numel() + 2 * 2 * 6 * 4 * 4  # keys and values of 6 columns, fp32
+    empty = store.snapshots([3, 6, 1], [0, 0, 2])  # a first go of no token at all
+    store.restore(empty, [2, 4, 5])
+    assert store.lengths[[2, 4, 5]].tolist() == [0, 0, 2] and torch.equal(store.recurrent[0][2], store.recurrent[0][3])
 
 
 def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_own(monkeypatch):

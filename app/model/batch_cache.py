@@ -17,15 +17,14 @@ The views below implement the part of transformers' Cache interface that the Qwe
 Tensors keep their addresses between steps (writes are in place), which CUDA graph replay relies on.
 """
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from app.model.text.rows import in_one_copy
 
-# Slots whose DeltaNet states are copied together when kept or restored (SlotStore.snapshots, restore): the
-# copy's room on the GPU beside the kept blocks is 19 MB a slot at the 4.6 shape.
+# Slots whose states are copied together when kept or restored (SlotStore.snapshots, restore): the copy's room
+# on the GPU beside the kept blocks is 19 MB a slot at the 4.6 shape, and 12 KB a token.
 SNAPSHOT_SLOTS = 32
 
 
@@ -93,26 +92,30 @@ class SlotStore:
 
     def snapshots(self, slots: list[int], columns: list[int]) -> list["StateSnapshot"]:
         """A copy of what each slot slots[i] holds after its first columns[i] tokens (it must hold exactly
-        those): every layer's state, to go on from later (restore). The DeltaNet layers' states, the same
-        size for every slot, are copied for SNAPSHOT_SLOTS slots at once, one copy a layer (a copy a layer and
-        slot, 49 at the 4.6 shape, was a third of a text-only prefill wave's time on the scheduler's thread),
-        then each slot's taken out as one block of its own; keys and values, as long as each slot's tokens,
-        slot by slot."""
+        those): every layer's state, to go on from later (restore), in one block of bytes a slot. The copies
+        go SNAPSHOT_SLOTS slots at once, one a layer: the DeltaNet layers' states, the same size for every
+        slot, and the attention layers' keys and values, each slot's own columns gathered token by token;
+        then each slot's block is joined from both. A copy a layer and slot, 61 at the 4.6 shape, was a third
+        of a text-only prefill wave's time on the scheduler's thread."""
         layout = _StateLayout.of(self)
         taken = []
         for first in range(0, len(slots), SNAPSHOT_SLOTS):
-            some = slots[first:first + SNAPSHOT_SLOTS]
-            count = len(some)
-            index = in_one_copy([torch.tensor(some)], self.device)[0]
+            some, lengths = slots[first:first + SNAPSHOT_SLOTS], columns[first:first + SNAPSHOT_SLOTS]
+            count, total = len(some), sum(lengths)
+            index, token_slots, token_columns = in_one_copy([torch.tensor(some), *_token_places(some, lengths)], self.device)
             wave = torch.empty((count, layout.nbytes), dtype=torch.uint8, device=self.device)
             for states, layer, offset, shape, dtype in layout.parts(self):
                 wave[:, offset:offset + _bytes(shape, dtype)] = states[layer].index_select(0, index).view(count, -1).view(torch.uint8)
+            tokens = torch.empty((total, layout.token_bytes), dtype=torch.uint8, device=self.device)
+            for states, layer, offset, shape, dtype in layout.token_parts(self):
+                tokens[:, offset:offset + _bytes(shape, dtype)] = \
+                    states[layer][token_slots, :, token_columns].flatten(1).view(torch.uint8)
             rope_deltas = self.rope_deltas.index_select(0, index)
-            taken += [StateSnapshot(
-                length, layout, wave[row].clone(),
-                {layer: t[slot, :, :length].clone() for layer, t in self.keys.items()},
-                {layer: t[slot, :, :length].clone() for layer, t in self.values.items()},
-                rope_deltas[row]) for row, (slot, length) in enumerate(zip(some, columns[first:first + count]))]
+            at = 0
+            for row, length in enumerate(lengths):
+                block = torch.cat([wave[row], tokens[at:at + length].view(-1)])
+                taken.append(StateSnapshot(length, layout, block, rope_deltas[row]))
+                at += length
         return taken
 
     def restore(self, snapshots: list["StateSnapshot"], slots: list[int]) -> None:
@@ -132,10 +135,15 @@ class SlotStore:
             target = states[layer] if layer in states else \
                 self.ensure_layer(states, layer, torch.empty((1, *shape), dtype=dtype, device=self.device), columns=False)
             target[index] = saved[:, offset:offset + _bytes(shape, dtype)].view(dtype).view(count, *shape)
+        # Keys and values slot by slot, from each block itself: joined, those of 32 long conversations would take
+        # hundreds of MB more.
+        parts = [(self.ensure_layer(states, layer, torch.empty((1, shape[0], 1, shape[1]), dtype=dtype, device=self.device),
+                                    columns=True), slice(offset, offset + _bytes(shape, dtype)), shape, dtype)
+                 for states, layer, offset, shape, dtype in layout.token_parts(self)]
         for snapshot, slot in zip(snapshots, slots):
-            for states, kept in ((self.keys, snapshot.keys), (self.values, snapshot.values)):
-                for layer, tensor in kept.items():
-                    self.ensure_layer(states, layer, tensor[None], columns=True)[slot, :, :snapshot.columns] = tensor
+            tokens = snapshot.tokens
+            for target, part, shape, dtype in parts:
+                target[slot, :, :snapshot.columns] = tokens[:, part].view(dtype).view(-1, *shape).transpose(0, 1)
         self.lengths[index] = columns
         self.rope_deltas[index] = torch.stack([snapshot.rope_delta for snapshot in snapshots])
 
@@ -148,11 +156,15 @@ class SlotStore:
 
 @dataclass(frozen=True)
 class _StateLayout:
-    """Where each DeltaNet layer's convolution and recurrent state of one slot lies in a snapshot's block of
-    bytes: (kind, layer, offset, shape, dtype), each part 64-byte aligned."""
+    """How a snapshot's block of bytes holds one slot's state: first each DeltaNet layer's convolution and
+    recurrent state (`entries`: kind, layer, offset, shape, dtype; `nbytes` in all), then a row of
+    `token_bytes` a token, each attention layer's key and value for it (`token_entries`: kind, layer,
+    offset in the row, (heads, head dim), dtype). Parts are 64-byte aligned, a row's 16."""
 
     entries: tuple
     nbytes: int
+    token_entries: tuple
+    token_bytes: int
 
     @classmethod
     def of(cls, store: SlotStore) -> "_StateLayout":
@@ -160,12 +172,23 @@ class _StateLayout:
         for kind in ("conv", "recurrent"):
             for layer, tensor in getattr(store, kind).items():
                 entries.append((kind, layer, offset, tuple(tensor.shape[1:]), tensor.dtype))
-                offset += -(-_bytes(tensor.shape[1:], tensor.dtype) // 64) * 64
-        return cls(tuple(entries), offset)
+                offset += _aligned(_bytes(tensor.shape[1:], tensor.dtype), 64)
+        token_entries, token_offset = [], 0
+        for kind in ("keys", "values"):
+            for layer, tensor in getattr(store, kind).items():
+                shape = (tensor.shape[1], tensor.shape[3])
+                token_entries.append((kind, layer, token_offset, shape, tensor.dtype))
+                token_offset += _aligned(_bytes(shape, tensor.dtype), 16)
+        return cls(tuple(entries), offset, tuple(token_entries), token_offset)
 
     def parts(self, store: SlotStore):
-        """(the store's dict of that kind, layer, offset, shape, dtype) for each part."""
+        """(the store's dict of that kind, layer, offset, shape, dtype) for each DeltaNet part."""
         for kind, layer, offset, shape, dtype in self.entries:
+            yield getattr(store, kind), layer, offset, shape, dtype
+
+    def token_parts(self, store: SlotStore):
+        """The same for each part of a token's row."""
+        for kind, layer, offset, shape, dtype in self.token_entries:
             yield getattr(store, kind), layer, offset, shape, dtype
 
 
@@ -173,17 +196,36 @@ def _bytes(shape, dtype) -> int:
     return torch.Size(shape).numel() * dtype.itemsize
 
 
+def _aligned(size: int, alignment: int) -> int:
+    return -(-size // alignment) * alignment
+
+
+def _token_places(slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot and the column of each token held by slots[i]'s first lengths[i] columns, slot by slot."""
+    counts = torch.tensor(lengths)
+    return torch.tensor(slots).repeat_interleave(counts), \
+        torch.arange(int(counts.sum())) - torch.tensor([0] + lengths[:-1]).cumsum(0).repeat_interleave(counts)
+
+
 @dataclass(eq=False)
 class StateSnapshot:
-    """One sequence's state after its first `columns` tokens (SlotStore.snapshots): its DeltaNet layers'
-    states in one block of bytes laid out by `layout`, its attention layers' keys and values by layer."""
+    """One sequence's state after its first `columns` tokens (SlotStore.snapshots), in one block of bytes
+    laid out by `layout`."""
 
     columns: int
     layout: _StateLayout
-    states: torch.Tensor
-    keys: dict
-    values: dict
+    block: torch.Tensor
     rope_delta: torch.Tensor
+
+    @property
+    def states(self) -> torch.Tensor:
+        """The DeltaNet layers' part of the block."""
+        return self.block[:self.layout.nbytes]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The keys and values: a row of bytes a token [columns, layout.token_bytes]."""
+        return self.block[self.layout.nbytes:].view(self.columns, self.layout.token_bytes)
 
     @property
     def conv(self) -> dict:
@@ -195,14 +237,26 @@ class StateSnapshot:
         """Layer -> its recurrent state, a view of the block."""
         return self._views("recurrent")
 
+    @property
+    def keys(self) -> dict:
+        """Layer -> its keys [heads, columns, head dim], a view of the block."""
+        return self._token_views("keys")
+
+    @property
+    def values(self) -> dict:
+        return self._token_views("values")
+
     def _views(self, kind: str) -> dict:
         return {layer: self.states[offset:offset + _bytes(shape, dtype)].view(dtype).view(shape)
                 for part, layer, offset, shape, dtype in self.layout.entries if part == kind}
 
-    @functools.cached_property
+    def _token_views(self, kind: str) -> dict:
+        return {layer: self.tokens[:, offset:offset + _bytes(shape, dtype)].view(dtype).view(self.columns, *shape).transpose(0, 1)
+                for part, layer, offset, shape, dtype in self.layout.token_entries if part == kind}
+
+    @property
     def nbytes(self) -> int:
-        return self.states.numel() + sum(t.numel() * t.element_size() for part in (self.keys, self.values)
-                                         for t in part.values())
+        return self.block.numel()
 
 
 def _grown(current: int, needed: int) -> int:
