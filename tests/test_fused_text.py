@@ -234,3 +234,59 @@ def test_a_packed_prefills_prompts_attend_in_few_padded_groups_each_row_once():
     continued = next(group for group in plan.groups if 6 in group.slots.tolist())
     row = continued.slots.tolist().index(6)
     assert continued.sees[row, 0].nonzero()[-1].item() == 680 and continued.sees[row, 11].nonzero()[-1].item() == 691
+
+
+def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_the_k(monkeypatch):
+    """19 prompts run as captured pieces of 16, 2 and 1 (each with its prompts' embeddings, lengths and slots,
+    padded to its own bucket), their logits joined in order though each graph's output lies where the next
+    replay writes (graphs of one pool may share memory); where a piece has no bucket, or its capture fails,
+    no piece runs and the wave is launched whole (None)."""
+    from types import SimpleNamespace
+
+    from app.model.cuda_graphs import ContinuedPrefillGraphs, PrefillGraphs
+
+    store = SimpleNamespace(column_capacity=2048, generation=0, device=torch.device("cpu"))
+    lengths = [80] * 16 + [200, 30, 300]
+    embeddings = torch.arange(sum(lengths), dtype=torch.float32)[:, None].repeat(1, 4)
+    shared = torch.zeros((64, 3))  # every graph's output, as a pool may lay them out
+    pieces, replays = [], []
+
+    class Graph:
+        def __init__(self, number: int, rows: int):
+            self.number, self.rows = number, rows
+
+        def replay(self):
+            replays.append(self.number)
+            shared[:self.rows] = float(self.number)
+
+    def ready(embeddings, lengths, *places_and_bucket):
+        pieces.append((embeddings[:, 0].tolist(), lengths, *places_and_bucket))
+        return None if lengths == ["fails"] else (Graph(len(pieces), len(lengths)), shared[:len(lengths)])
+
+    graphs = PrefillGraphs(store, fused=None)
+    monkeypatch.setattr(graphs, "_ready", ready)
+    logits = graphs.run(embeddings, lengths, first_slot=5)
+    firsts = [0, 16 * 80, 16 * 80 + 230]
+    assert [(rows[0], len(rows), lens, slot, bucket) for rows, lens, slot, bucket in pieces] == [
+        (firsts[0], 16 * 80, [80] * 16, 5, 128), (firsts[1], 230, [200, 30], 21, 256), (firsts[2], 300, [300], 23, 512)]
+    assert replays == [1, 2, 3]  # once every piece is ready
+    assert logits[:, 0].tolist() == [1.0] * 16 + [2.0] * 2 + [3.0]
+
+    pieces.clear(), replays.clear()
+    assert graphs.run(embeddings[:8 * 300 + 80], [300] * 8 + [80], first_slot=0) is None  # no bucket for 8 of 300
+    assert pieces == [] and replays == []
+
+    continued = ContinuedPrefillGraphs(store, fused=None)
+    monkeypatch.setattr(continued, "_ready", ready)
+    slots = [9, 3, 7]
+    logits = continued.run(embeddings[:30], [10, 15, 5], [100, 1500, 40], slots)
+    assert [(lens, starts, their_slots, bucket) for _, lens, starts, their_slots, bucket in pieces] == [
+        ([10, 15], [100, 1500], [9, 3], 16), ([5], [40], [7], 16)]
+    assert replays == [1, 2] and logits[:, 0].tolist() == [1.0, 1.0, 2.0]
+    pieces.clear(), replays.clear()
+    assert continued.run(embeddings[:30], [10, 15, 5], [100, 2040, 40], slots) is None  # past the columns read
+    assert pieces == []
+
+    monkeypatch.setattr(continued, "_ready", lambda embeddings, lengths, *rest: ready(embeddings, ["fails"] if len(lengths) == 1 else lengths, *rest))
+    assert continued.run(embeddings[:30], [10, 15, 5], [100, 1500, 40], slots) is None  # the second piece's capture fails
+    assert replays == []  # the first piece did not run: a continued prefill run twice would go on twice

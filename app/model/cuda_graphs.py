@@ -1,7 +1,8 @@
-"""CUDA graphs of the decode step (one per batch-size bucket) and of text prefills of few tokens (waves of 1,
-2 or 4 prompts up to 1,024 tokens, of up to 64 prompts of short ones): even fused, a step is a chain of a few
-hundred small kernels, and launching them from Python would cost more than running them. Captured at warm-up,
-replayed while serving, and captured again only when the slot store moves its tensors (app.model.batch_cache)."""
+"""CUDA graphs of the decode step (one per batch-size bucket) and of text prefills of few tokens (1, 2 or 4
+prompts up to 1,024 tokens, up to 64 prompts of short ones; a wave of any other count runs as pieces of 2^k
+prompts, a graph each): even fused, a step is a chain of a few hundred small kernels, and launching them from
+Python would cost more than running them. Captured at warm-up, replayed while serving, and captured again only
+when the slot store moves its tensors (app.model.batch_cache)."""
 
 import functools
 import logging
@@ -9,12 +10,13 @@ from typing import Callable
 
 import torch
 
+from app.model.text.rows import power_of_two_pieces
 
 log = logging.getLogger(__name__)
 
 # Batch sizes a captured decode step exists for; a batch runs in the smallest bucket that holds it.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# Prefill waves a captured text prefill exists for (waves have 2^k prompts), by their prompts' count: the
+# Prefills a captured text prefill exists for (a wave runs as pieces of 2^k prompts), by their prompts' count: the
 # lengths they are front-padded to, at most the store's reserved columns (a longer one would grow the store,
 # and so recapture every graph). Large waves of short prompts (text chat, a small image) too: launched,
 # their thousand kernels took longer than their GPU work (docs/DECISIONS.md D46); large waves of long
@@ -105,15 +107,31 @@ class PrefillGraphs(GraphSet):
 
     def run(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int,
             length: int | None = None) -> torch.Tensor | None:
-        """FusedTextModel.prefill's logits through a captured graph (captured now if need be), or None
-        where no bucket holds the wave or capturing failed. `length`: the bucket's, rather than the smallest
-        that holds it."""
-        if self.given_up:
+        """FusedTextModel.prefill's logits through captured graphs, a graph (captured now if need be) for each
+        piece of 2^k prompts, or None where a piece has no bucket or capturing failed. `length`: the bucket's,
+        rather than the smallest that holds it."""
+        pieces = power_of_two_pieces(len(lengths))
+        buckets = [self._bucket(lengths[start:start + rows], length) for start, rows in pieces]
+        if self.given_up or None in buckets:
             return None
+        ready, at = [], 0
+        for (start, rows), bucket in zip(pieces, buckets):
+            size = sum(lengths[start:start + rows])
+            ready.append(self._ready(embeddings[at:at + size], lengths[start:start + rows], first_slot + start, bucket))
+            if ready[-1] is None:
+                return None
+            at += size
+        return replayed(ready)
+
+    def _bucket(self, lengths: list[int], length: int | None) -> int | None:
+        """The length a piece of prompts of `lengths` is padded to, if a graph for it can be captured."""
+        length = length or next((size for size in PREFILL_GRAPH_LENGTHS.get(len(lengths), ()) if size >= max(lengths)), None)
+        return None if length is None or length > self.store.column_capacity else length
+
+    def _ready(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int, length: int) -> tuple | None:
+        """The piece's graph and its output, its inputs in place (the graph captured now if need be), or None if
+        capturing failed."""
         rows = len(lengths)
-        length = length or next((size for size in PREFILL_GRAPH_LENGTHS.get(rows, ()) if size >= max(lengths)), None)
-        if length is None or length > self.store.column_capacity:
-            return None
         self._drop_if_stale()
         captured = self.captured.get((rows, length))
         if captured is None:
@@ -145,8 +163,25 @@ class PrefillGraphs(GraphSet):
             # The warm-up runs may have made the store's layers (its first prefill): no earlier capture can
             # have existed then, and this one uses them.
             self.store_generation = self.store.generation
+        return graph, static_logits
+
+
+def replayed(ready: list[tuple]) -> torch.Tensor:
+    """Replay each piece's graph in turn ((graph, its output) pairs, their inputs in place): the logits of all.
+    Where there are several, each output is copied out before the next replay: graphs of one pool may reuse
+    memory another's output lies in."""
+    if len(ready) == 1:
+        graph, logits = ready[0]
         graph.replay()
-        return static_logits
+        return logits
+    joined = torch.empty((sum(logits.shape[0] for _, logits in ready), ready[0][1].shape[1]),
+                         dtype=ready[0][1].dtype, device=ready[0][1].device)
+    at = 0
+    for graph, logits in ready:
+        graph.replay()
+        joined[at:at + logits.shape[0]].copy_(logits)
+        at += logits.shape[0]
+    return joined
 
 
 # Waves a captured continued prefill exists for (prompts going on from kept states: a follow-up's new turn,
@@ -183,12 +218,33 @@ class ContinuedPrefillGraphs(GraphSet):
 
     def run(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
             length: int | None = None) -> torch.Tensor | None:
-        """FusedTextModel.prefill_continued's logits through a captured graph (captured now if need be), or
-        None where no bucket holds the wave or capturing failed."""
-        rows = len(lengths)
-        length = length or next((size for size in CONTINUED_GRAPH_LENGTHS.get(rows, ()) if size >= max(lengths)), None)
-        if self.given_up or length is None or max(starts) + length > self._columns():
+        """FusedTextModel.prefill_continued's logits through captured graphs, a graph (captured now if need be)
+        for each piece of 2^k prompts, or None where a piece has no bucket or capturing failed (then no piece
+        has run: the prompts' slots are as they were)."""
+        pieces = power_of_two_pieces(len(lengths))
+        buckets = [self._bucket(lengths[start:start + rows], starts[start:start + rows], length) for start, rows in pieces]
+        if self.given_up or None in buckets:
             return None
+        ready, at = [], 0
+        for (start, rows), bucket in zip(pieces, buckets):
+            size, end = sum(lengths[start:start + rows]), start + rows
+            ready.append(self._ready(embeddings[at:at + size], lengths[start:end], starts[start:end], slots[start:end], bucket))
+            if ready[-1] is None:
+                return None
+            at += size
+        return replayed(ready)
+
+    def _bucket(self, lengths: list[int], starts: list[int], length: int | None) -> int | None:
+        """The length a piece of prompts of `lengths` going on after `starts` is padded to, if a graph for it can
+        be captured."""
+        length = length or next((size for size in CONTINUED_GRAPH_LENGTHS.get(len(lengths), ()) if size >= max(lengths)), None)
+        return None if length is None or max(starts) + length > self._columns() else length
+
+    def _ready(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
+               length: int) -> tuple | None:
+        """The piece's graph and its output, its inputs in place (the graph captured now if need be: that leaves
+        the slots' states as they were), or None if capturing failed."""
+        rows = len(lengths)
         self._drop_if_stale()
         captured = self.captured.get((rows, length))
         if captured is None:
@@ -207,9 +263,7 @@ class ContinuedPrefillGraphs(GraphSet):
             captured = self._capture_bucket(static_embeddings, static_places, rows, length)
             if captured is None:
                 return None
-            graph, static_logits = captured[2:]
-        graph.replay()
-        return static_logits
+        return captured[2:]
 
     def _columns(self) -> int:
         return min(self.store.column_capacity, CONTINUED_GRAPH_COLUMNS)
@@ -229,9 +283,10 @@ class ContinuedPrefillGraphs(GraphSet):
             log.warning("The continued prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
             self.given_up = True
             return None
-        for states, kept in zip((self.store.conv, self.store.recurrent), saved):
-            for layer, state in kept.items():
-                states[layer].index_copy_(0, slots, state)
+        finally:  # the warm-up runs may have run even where the capture then failed
+            for states, kept in zip((self.store.conv, self.store.recurrent), saved):
+                for layer, state in kept.items():
+                    states[layer].index_copy_(0, slots, state)
         self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
         self.store_generation = self.store.generation
         return self.captured[rows, length]

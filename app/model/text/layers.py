@@ -7,6 +7,7 @@ import torch
 
 from app.engine.waves import padded_length
 from app.model.batch_cache import DecodeCache, PrefillCache
+from app.model.text.rows import power_of_two_pieces
 from app.model.transfers import on_device
 
 
@@ -47,8 +48,15 @@ class TransformersText:
         self.device = model.device
 
     def prefill(self, prompts: list[tuple], first_slot: int) -> torch.Tensor:
-        """Prompts (input ids [1, length], visual features, canvas positions) left-padded to one length
-        into slots first_slot, first_slot + 1, ...; next-token logits [prompts, vocab]."""
+        """Prompts (input ids [1, length], visual features, canvas positions) into slots first_slot,
+        first_slot + 1, ...; next-token logits [prompts, vocab]. In pieces of 2^k prompts, each left-padded
+        to one length: the linear-attention layers' Triton kernels are compiled for each new shape
+        (tuning.PREFILL_LENGTH_MULTIPLE)."""
+        logits = [self._prefill(prompts[start:start + rows], first_slot + start)
+                  for start, rows in power_of_two_pieces(len(prompts))]
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _prefill(self, prompts: list[tuple], first_slot: int) -> torch.Tensor:
         count = len(prompts)
         lengths = [prompt[0].shape[1] for prompt in prompts]
         # One prompt alone needs no padding (nor an attention mask, whose size grows with its square).

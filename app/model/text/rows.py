@@ -7,6 +7,18 @@ from dataclasses import dataclass
 import torch
 
 
+def power_of_two_pieces(count: int) -> list[tuple[int, int]]:
+    """(first row, rows) of the pieces of 2^k rows, largest first, that `count` rows are cut into: 19 -> 16, 2, 1.
+    Prefills of any number of prompts run as such pieces where their shapes must stay few (a captured graph
+    per count, transformers' kernels compiled per shape: docs/DECISIONS.md D47)."""
+    pieces, start = [], 0
+    for bit in reversed(range(count.bit_length())):
+        if count & (1 << bit):
+            pieces.append((start, 1 << bit))
+            start += 1 << bit
+    return pieces
+
+
 def in_one_copy(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
     """1-D integer tensors of the CPU on `device`, in one pinned copy that does not wait for the GPU."""
     host = torch.cat(parts)
