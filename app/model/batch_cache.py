@@ -129,23 +129,27 @@ class SlotStore:
         index, columns = in_one_copy([torch.tensor(slots), torch.tensor([s.columns for s in snapshots])], self.device)
         layout = snapshots[0].layout  # one model's: the same for all
         saved = torch.stack([snapshot.states for snapshot in snapshots])
-        # A layer's tensor is made again if the store was released since (a warm-up's end): the model, and so
-        # what the snapshot holds, is the same.
         for states, layer, offset, shape, dtype in layout.parts(self):
-            target = states[layer] if layer in states else \
-                self.ensure_layer(states, layer, torch.empty((1, *shape), dtype=dtype, device=self.device), columns=False)
+            target = self._layer(states, layer, shape, dtype, columns=False)
             target[index] = saved[:, offset:offset + _bytes(shape, dtype)].view(dtype).view(count, *shape)
         # Keys and values slot by slot, from each block itself: joined, those of 32 long conversations would take
         # hundreds of MB more.
-        parts = [(self.ensure_layer(states, layer, torch.empty((1, shape[0], 1, shape[1]), dtype=dtype, device=self.device),
-                                    columns=True), slice(offset, offset + _bytes(shape, dtype)), shape, dtype)
-                 for states, layer, offset, shape, dtype in layout.token_parts(self)]
+        parts = [(self._layer(states, layer, shape, dtype, columns=True), slice(offset, offset + _bytes(shape, dtype)),
+                  shape, dtype) for states, layer, offset, shape, dtype in layout.token_parts(self)]
         for snapshot, slot in zip(snapshots, slots):
             tokens = snapshot.tokens
             for target, part, shape, dtype in parts:
                 target[slot, :, :snapshot.columns] = tokens[:, part].view(dtype).view(-1, *shape).transpose(0, 1)
         self.lengths[index] = columns
         self.rope_deltas[index] = torch.stack([snapshot.rope_delta for snapshot in snapshots])
+
+    def _layer(self, states: dict, layer: int, shape: tuple, dtype, columns: bool) -> torch.Tensor:
+        """The layer's tensor, made again (from one slot's state `shape`: (heads, head dim) for keys and values) if
+        the store was released since (a warm-up's end): the model, and so what a snapshot holds, is the same."""
+        if layer in states:
+            return states[layer]
+        like = torch.empty((1, shape[0], 1, shape[1]) if columns else (1, *shape), dtype=dtype, device=self.device)
+        return self.ensure_layer(states, layer, like, columns)
 
     def release(self) -> None:
         """Free all memory (the model is being unloaded, or a warm-up is done with it)."""
@@ -168,28 +172,33 @@ class _StateLayout:
 
     @classmethod
     def of(cls, store: SlotStore) -> "_StateLayout":
-        entries, offset = [], 0
-        for kind in ("conv", "recurrent"):
-            for layer, tensor in getattr(store, kind).items():
-                entries.append((kind, layer, offset, tuple(tensor.shape[1:]), tensor.dtype))
-                offset += _aligned(_bytes(tensor.shape[1:], tensor.dtype), 64)
-        token_entries, token_offset = [], 0
-        for kind in ("keys", "values"):
-            for layer, tensor in getattr(store, kind).items():
-                shape = (tensor.shape[1], tensor.shape[3])
-                token_entries.append((kind, layer, token_offset, shape, tensor.dtype))
-                token_offset += _aligned(_bytes(shape, tensor.dtype), 16)
-        return cls(tuple(entries), offset, tuple(token_entries), token_offset)
+        return cls(*_laid_out(store, ("conv", "recurrent"), lambda tensor: tuple(tensor.shape[1:]), 64),
+                   *_laid_out(store, ("keys", "values"), lambda tensor: (tensor.shape[1], tensor.shape[3]), 16))
 
     def parts(self, store: SlotStore):
         """(the store's dict of that kind, layer, offset, shape, dtype) for each DeltaNet part."""
-        for kind, layer, offset, shape, dtype in self.entries:
-            yield getattr(store, kind), layer, offset, shape, dtype
+        return _in_store(store, self.entries)
 
     def token_parts(self, store: SlotStore):
         """The same for each part of a token's row."""
-        for kind, layer, offset, shape, dtype in self.token_entries:
-            yield getattr(store, kind), layer, offset, shape, dtype
+        return _in_store(store, self.token_entries)
+
+
+def _laid_out(store: SlotStore, kinds: tuple, shape_of, alignment: int) -> tuple[tuple, int]:
+    """(kind, layer, offset, shape, dtype) for each layer of the store's `kinds`, one after another with its
+    `shape_of(tensor)`, each part `alignment`-byte aligned; and the bytes of all."""
+    entries, offset = [], 0
+    for kind in kinds:
+        for layer, tensor in getattr(store, kind).items():
+            shape = shape_of(tensor)
+            entries.append((kind, layer, offset, shape, tensor.dtype))
+            offset += _aligned(_bytes(shape, tensor.dtype), alignment)
+    return tuple(entries), offset
+
+
+def _in_store(store: SlotStore, entries: tuple):
+    for kind, layer, offset, shape, dtype in entries:
+        yield getattr(store, kind), layer, offset, shape, dtype
 
 
 def _bytes(shape, dtype) -> int:
