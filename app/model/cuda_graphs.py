@@ -110,18 +110,10 @@ class PrefillGraphs(GraphSet):
         """FusedTextModel.prefill's logits through captured graphs, a graph (captured now if need be) for each
         piece of 2^k prompts, or None where a piece has no bucket or capturing failed. `length`: the bucket's,
         rather than the smallest that holds it."""
-        pieces = power_of_two_pieces(len(lengths))
-        buckets = [self._bucket(lengths[start:start + rows], length) for start, rows in pieces]
-        if self.given_up or None in buckets:
+        if self.given_up:
             return None
-        ready, at = [], 0
-        for (start, rows), bucket in zip(pieces, buckets):
-            size = sum(lengths[start:start + rows])
-            ready.append(self._ready(embeddings[at:at + size], lengths[start:start + rows], first_slot + start, bucket))
-            if ready[-1] is None:
-                return None
-            at += size
-        return replayed(ready)
+        return in_pieces(embeddings, lengths, lambda start, end: self._bucket(lengths[start:end], length),
+                         lambda piece, start, end, bucket: self._ready(piece, lengths[start:end], first_slot + start, bucket))
 
     def _bucket(self, lengths: list[int], length: int | None) -> int | None:
         """The length a piece of prompts of `lengths` is padded to, if a graph for it can be captured."""
@@ -164,6 +156,26 @@ class PrefillGraphs(GraphSet):
             # have existed then, and this one uses them.
             self.store_generation = self.store.generation
         return graph, static_logits
+
+
+def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, ready: Callable) -> torch.Tensor | None:
+    """The logits of a prefill of prompts of `lengths` (their embeddings packed back to back) run as pieces of 2^k
+    prompts, a captured graph each, or None where a piece has no bucket (`bucket(start, end)`: the length the
+    prompts start:end are padded to, or None) or its graph cannot be made ready (`ready(their embeddings, start,
+    end, length)`: (graph, its output), its inputs in place, or None). Every piece is made ready before any is
+    replayed: one that fails leaves no piece run."""
+    pieces = power_of_two_pieces(len(lengths))
+    buckets = [bucket(start, start + rows) for start, rows in pieces]
+    if None in buckets:
+        return None
+    graphs, at = [], 0
+    for (start, rows), length in zip(pieces, buckets):
+        size = sum(lengths[start:start + rows])
+        graphs.append(ready(embeddings[at:at + size], start, start + rows, length))
+        if graphs[-1] is None:
+            return None
+        at += size
+    return replayed(graphs)
 
 
 def replayed(ready: list[tuple]) -> torch.Tensor:
@@ -221,18 +233,11 @@ class ContinuedPrefillGraphs(GraphSet):
         """FusedTextModel.prefill_continued's logits through captured graphs, a graph (captured now if need be)
         for each piece of 2^k prompts, or None where a piece has no bucket or capturing failed (then no piece
         has run: the prompts' slots are as they were)."""
-        pieces = power_of_two_pieces(len(lengths))
-        buckets = [self._bucket(lengths[start:start + rows], starts[start:start + rows], length) for start, rows in pieces]
-        if self.given_up or None in buckets:
+        if self.given_up:
             return None
-        ready, at = [], 0
-        for (start, rows), bucket in zip(pieces, buckets):
-            size, end = sum(lengths[start:start + rows]), start + rows
-            ready.append(self._ready(embeddings[at:at + size], lengths[start:end], starts[start:end], slots[start:end], bucket))
-            if ready[-1] is None:
-                return None
-            at += size
-        return replayed(ready)
+        return in_pieces(embeddings, lengths, lambda start, end: self._bucket(lengths[start:end], starts[start:end], length),
+                         lambda piece, start, end, bucket: self._ready(piece, lengths[start:end], starts[start:end],
+                                                                       slots[start:end], bucket))
 
     def _bucket(self, lengths: list[int], starts: list[int], length: int | None) -> int | None:
         """The length a piece of prompts of `lengths` going on after `starts` is padded to, if a graph for it can
