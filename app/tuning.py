@@ -50,6 +50,11 @@ ONE_ROW_LINEAR = 1
 CONVERSATION_CACHE = 1
 CONVERSATION_CACHE_GB = -1.0
 CONVERSATION_CACHE_SHARE = 0.12
+# A prompt is kept only where its last turn starts at least this many tokens in (visual tokens counted): keeping
+# splits its prefill in two passes and copies its state out, which cost a wave about what prefilling 400-700
+# tokens again costs. A single text question, or one with a 448x448 photo (64 visual tokens), is prefilled
+# whole; a 1344x1344 photo's conversation (about 690 tokens) is kept from its first turn (docs/DECISIONS.md D48).
+CONVERSATION_CACHE_MIN_TOKENS = 512
 # 1: the vision tower runs as app.model.vision.fused writes it where the checkpoint allows; 0: through
 # transformers' modules (tuned by app.model.vision.tower).
 FUSED_VISION_TOWER = 1
@@ -133,6 +138,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "CONVERSATION_CACHE",
     "CONVERSATION_CACHE_GB",
     "CONVERSATION_CACHE_SHARE",
+    "CONVERSATION_CACHE_MIN_TOKENS",
     "FUSED_VISION_TOWER",
     "MEDIA_ALONGSIDE_DECODING",
     "VISION_SM_CARVEOUT",

@@ -70,11 +70,13 @@ def test_a_wave_of_every_kind_says_what_prompts_prefilled_whole_say(manager, cac
     assert kept_texts == whole
 
 
-def test_a_model_unloaded_lets_its_kept_conversations_go(tmp_path):
+def test_a_model_unloaded_lets_its_kept_conversations_go(tmp_path, monkeypatch):
     """Its states are the old model's, on the GPU the next model's load needs."""
+    from app import tuning
     from app.config import AppConfig
     from app.engine.backends import load_manager
 
+    monkeypatch.setattr(tuning, "CONVERSATION_CACHE_MIN_TOKENS", 0)  # the tiny model's prompt is shorter
     own = load_manager(AppConfig(model="tiny-random", port=0, max_new_tokens=64, engine_process=False, warmup=False))
     photo = make_image(tmp_path, "photo.png", (600, 500))
     conversation(own, [{"type": "image", "path": photo}, text("What is it?")], [])

@@ -15,10 +15,11 @@ GREEDY = GenerationSettings(max_new_tokens=12, do_sample=False, enable_thinking=
 
 @pytest.fixture
 def cache(manager, monkeypatch):
-    """Sets the session manager's conversation cache to one of `capacity` bytes (0: off)."""
+    """Sets the session manager's conversation cache to one of `capacity` bytes (0: off), keeping prompts of
+    `min_tokens` or more (the tiny model's prompts are shorter than the app's threshold)."""
 
-    def use(capacity: int) -> ConversationCache:
-        kept = ConversationCache(capacity)
+    def use(capacity: int, min_tokens: int = 0) -> ConversationCache:
+        kept = ConversationCache(capacity, min_tokens)
         monkeypatch.setattr(manager.scheduler, "conversations", kept)
         return kept
 
@@ -127,6 +128,19 @@ def test_conversations_are_matched_by_their_media_and_every_token(manager, cache
     assert again[0][0] == turns[0][0] and 0 < again[0][2] < again[0][1]
 
 
+def test_a_prompt_too_short_to_keep_is_prefilled_whole_and_not_kept(manager, cache):
+    """Below the cache's min_tokens a prompt is prefilled whole and nothing of it kept; once its conversation
+    has grown past it, its state is kept and the next turn goes on from it, with the same greedy replies."""
+    first, follow_ups = [text("Tell me a story.")], [[text("More?")], [text("And then?")]]
+    cache(0)
+    whole = conversation(manager, first, follow_ups)
+    kept = cache(2**30, min_tokens=whole[0][1])  # past the first prompt's last turn, before the second's
+    turns = conversation(manager, first, follow_ups)
+    assert [turn[0] for turn in turns] == [turn[0] for turn in whole]
+    assert turns[0][2] == turns[1][2] == 0 and turns[2][2] > whole[0][1]
+    assert len(kept) == 2  # the second turn's state and the third's: none of the first
+
+
 def test_the_cache_turns_off(manager, monkeypatch):
     from app import tuning
 
@@ -134,7 +148,9 @@ def test_the_cache_turns_off(manager, monkeypatch):
     assert not manager._conversation_cache().enabled
     monkeypatch.setattr(tuning, "CONVERSATION_CACHE", 1)
     monkeypatch.setattr(tuning, "CONVERSATION_CACHE_GB", 0.5)
-    assert manager._conversation_cache().capacity_bytes == 2**29
+    monkeypatch.setattr(tuning, "CONVERSATION_CACHE_MIN_TOKENS", 300)
+    built = manager._conversation_cache()
+    assert built.capacity_bytes == 2**29 and built.min_tokens == 300
 
 
 def test_the_cache_is_sized_from_the_gpus_memory_unless_set(manager, monkeypatch):

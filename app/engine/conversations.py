@@ -14,7 +14,9 @@ there, its state kept, then the rest is prefilled from it (app.model.runner.pref
 
 Memory is bounded: the least recently used conversations go first once the kept states pass
 tuning.CONVERSATION_CACHE_GB. A prompt whose conversation was let go is prefilled whole, and gets the
-same reply. Matches are exact, so kept states never leak between conversations: a prompt reuses one
+same reply. A prompt whose last turn starts fewer than tuning.CONVERSATION_CACHE_MIN_TOKENS tokens in is
+prefilled whole and not kept: the split and the copy would cost more than prefilling it again saves
+(docs/DECISIONS.md D48). Matches are exact, so kept states never leak between conversations: a prompt reuses one
 only if it repeats that conversation token for token, with the same media files (docs/SECURITY.md).
 """
 
@@ -46,11 +48,12 @@ class KeptConversation:
 
 
 class ConversationCache:
-    """Kept conversations, least recently used first, up to `capacity_bytes` of state. Used from the
-    request threads (find) and the scheduler's (keep)."""
+    """Kept conversations, least recently used first, up to `capacity_bytes` of state; a prompt whose last
+    turn starts fewer than `min_tokens` tokens in is not kept (tuning.CONVERSATION_CACHE_MIN_TOKENS). Used
+    from the request threads (find) and the scheduler's (keep)."""
 
-    def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, capacity_bytes: int, min_tokens: int = 0):
+        self.capacity_bytes, self.min_tokens = capacity_bytes, min_tokens
         self._kept: OrderedDict[tuple, KeptConversation] = OrderedDict()
         self._held = 0
         self._media = Counter()  # the media keys of the kept conversations, each with how many hold it
@@ -144,16 +147,19 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
     first_slot, first_slot + 1, ...; `columns` is room each needs. Returns the requests in slot order and
     their next-token logits.
 
-    Without the cache, or for a prompt it cannot keep, the whole prompt at once (runner.prefill). Else up
-    to its last turn's start, from a kept conversation if one matches (restored into its slot, its media
-    not encoded: app.engine.inputs.without_media_before), the state there kept, then the rest."""
+    Without the cache, or for a prompt it cannot keep or that is too short to keep (cache.min_tokens), the
+    whole prompt at once (runner.prefill). Else up to its last turn's start, from a kept conversation if one
+    matches (restored into its slot, its media not encoded: app.engine.inputs.without_media_before), the
+    state there kept, then the rest."""
     whole, fresh, going_on = [], [], []
     for request, feature in zip(wave, features):
         prepared = request.prepared
         if not (cache.enabled and runner.continues and prepared.turn_starts and prepared.canvas is None):
             whole.append((request, feature))
+        elif prepared.kept is not None:
+            going_on.append((request, feature))
         else:
-            (fresh if prepared.kept is None else going_on).append((request, feature))
+            (fresh if _turn(request) >= cache.min_tokens else whole).append((request, feature))
     ordered = whole + fresh + going_on
     slots = {id(request): first_slot + index for index, (request, _) in enumerate(ordered)}
     logits = []

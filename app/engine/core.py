@@ -89,7 +89,7 @@ class ModelManager:
         keeps = tuning.CONVERSATION_CACHE and self.runner.continues and not self.scheduler.inline
         if tuning.CONVERSATION_CACHE and not keeps:
             log.info("Conversations are not kept between turns on this model's text path: every prompt is prefilled whole")
-        return ConversationCache(self._conversation_cache_bytes() if keeps else 0)
+        return ConversationCache(self._conversation_cache_bytes() if keeps else 0, tuning.CONVERSATION_CACHE_MIN_TOKENS)
 
     def _conversation_cache_bytes(self) -> int:
         """tuning.CONVERSATION_CACHE_GB, or where it is left to the app (negative) a share of the GPU's memory
