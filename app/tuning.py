@@ -75,6 +75,10 @@ STAGED_PIXELS_MB = 2048  # waiting requests' pixels copied to the GPU ahead of t
 # D43). 0: preparers decode and slice every image.
 JPEG_ON_DEVICE = 1
 WARM_UP_WAVES = (3, 16)  # requests sent together at warm-up (after one alone)
+# On CUDA, larger waves too: the first waves of 32 and 64 small photos met shapes nothing had run yet, and on an
+# H100 the first 50 users of 448x448 photos waited up to a second for them (first token p95 988 ms, 107 ms once
+# run; docs/DECISIONS.md D48). About 4 s more of warm-up there.
+WARM_UP_WAVES_ON_CUDA = (32, 64)
 # How often Python hands the GIL from one thread to another in the app's serving processes (its default
 # is 5 ms). A thread that gave the GIL up to wait (for the GPU, a pipe, a file write) gets it back only
 # when the thread holding it is made to let go. In the engine's process the scheduler thread holds it

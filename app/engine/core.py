@@ -130,7 +130,8 @@ class ModelManager:
 
             one_reply()
             # No wave larger than the batch and its wait line together, which would be refused as busy.
-            for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in tuning.WARM_UP_WAVES}):
+            waves = tuning.WARM_UP_WAVES + (tuning.WARM_UP_WAVES_ON_CUDA if self._on_cuda else ())
+            for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in waves}):
                 with ThreadPoolExecutor(wave) as pool:
                     list(pool.map(one_reply, range(wave)))
         self.scheduler.conversations.clear()  # the warm-up's questions come no more
