@@ -121,8 +121,7 @@ class ModelManager:
             settings = GenerationSettings(max_new_tokens=4, do_sample=False)
 
             def one_reply(number: int = 0):
-                # Each its own question: a repeated one would go on from the first's kept state, and the
-                # waves' first prefills, which users' first questions meet, would not be run here.
+                # Each its own question, as users' first questions are: none repeats another's prompt.
                 question = [{"role": "user", "content": [{"type": "image", "path": file.name},
                                                          {"type": "text", "text": f"Describe the image ({number})."}]}]
                 for _ in self.stream(question, settings):
