@@ -1,5 +1,6 @@
 """The batching engine: requests share decode steps, yet each gets exactly its own answer."""
 
+import dataclasses
 import re
 import threading
 import time
@@ -336,6 +337,26 @@ def test_warm_up_runs_every_wave_shape_and_leaves_the_engine_as_it_was(manager, 
     monkeypatch.setattr(runner, "warm_up_shapes", fail)
     manager._warm_up_shapes()
     assert reply(manager, conversation, greedy(16)) == before
+
+
+def test_the_warm_up_sends_larger_waves_on_cuda_only(manager, monkeypatch):
+    """One reply alone, then waves of WARM_UP_WAVES; on CUDA also WARM_UP_WAVES_ON_CUDA, where kernels are built
+    per shape. No wave is larger than the batch and its line (a larger one would be refused as busy)."""
+    from app import tuning
+
+    sent = []
+    monkeypatch.setattr(manager, "stream", lambda messages, settings: sent.append(1) or iter(()))
+    monkeypatch.setattr(type(manager.runner), "uses_cuda_graphs", property(lambda self: False))
+    manager.warm_up()
+    assert len(sent) == 1 + sum(tuning.WARM_UP_WAVES)
+    sent.clear()
+    monkeypatch.setattr(type(manager), "_on_cuda", property(lambda self: True))
+    manager.warm_up()
+    assert len(sent) == 1 + sum(tuning.WARM_UP_WAVES + tuning.WARM_UP_WAVES_ON_CUDA)
+    sent.clear()
+    monkeypatch.setattr(manager, "config", dataclasses.replace(manager.config, max_batch_size=8, queue_size=12))
+    manager.warm_up()
+    assert len(sent) == 1 + sum({min(wave, 20) for wave in tuning.WARM_UP_WAVES + tuning.WARM_UP_WAVES_ON_CUDA})  # 3, 16, 20
 
 
 def test_replies_are_updated_less_often_when_many_stream_at_once(manager, tmp_path, monkeypatch):
