@@ -46,7 +46,11 @@ def protected_app(tmp_path_factory):
         try:
             urllib.request.urlopen(url + "gradio_api/info", timeout=5)
         except urllib.error.HTTPError:
-            break  # answering (with 401): up
+            # Answering (with 401); up once launch() has returned and the app has said where (the server
+            # answers a moment before that).
+            if "* Running on" in log_path.read_text():
+                break
+            time.sleep(0.2)
         except OSError:
             time.sleep(1)
     yield url, log_path
