@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import AppConfig  # noqa: E402
 from app.model.backends import FusedText  # noqa: E402
-from app.model.cuda_graphs import PREFILL_GRAPH_LENGTHS, LaunchedPrefills  # noqa: E402
+from app.model.cuda_graphs import PREFILL_GRAPH_LENGTHS  # noqa: E402
+from app.model.uncaptured import LaunchedPrefills  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
 from app.engine.settings import GenerationSettings  # noqa: E402
 from app.model.text.layers import PromptEmbedder, TransformersText  # noqa: E402

@@ -23,7 +23,8 @@ import torch
 
 from app import tuning
 from app.model.backends import text_backend_for, vision_backend_for
-from app.model.cuda_graphs import DecodeGraphs, EagerDecode
+from app.model.cuda_graphs import DecodeGraphs
+from app.model.uncaptured import EagerDecode
 from app.model.streams import MediaEncoding, NoStaging, OneStream, PixelStaging, SideStreams, StagedPixels
 from app.model.batch_cache import SlotStore
 from app.model.sampling import Choice, choose
