@@ -117,7 +117,7 @@ class PrefillGraphs(GraphSet):
 
     def _bucket(self, lengths: list[int], length: int | None) -> int | None:
         """The length a piece of prompts of `lengths` is padded to, if a graph for it can be captured."""
-        length = length or next((size for size in PREFILL_GRAPH_LENGTHS.get(len(lengths), ()) if size >= max(lengths)), None)
+        length = length or graph_length(PREFILL_GRAPH_LENGTHS, lengths)
         return None if length is None or length > self.store.column_capacity else length
 
     def _ready(self, embeddings: torch.Tensor, lengths: list[int], first_slot: int, length: int) -> tuple | None:
@@ -156,6 +156,11 @@ class PrefillGraphs(GraphSet):
             # have existed then, and this one uses them.
             self.store_generation = self.store.generation
         return graph, static_logits
+
+
+def graph_length(lengths_by_count: dict, lengths: list[int]) -> int | None:
+    """The shortest of the lengths `lengths_by_count` lists for len(lengths) prompts that holds each, or None."""
+    return next((size for size in lengths_by_count.get(len(lengths), ()) if size >= max(lengths)), None)
 
 
 def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, ready: Callable) -> torch.Tensor | None:
@@ -242,7 +247,7 @@ class ContinuedPrefillGraphs(GraphSet):
     def _bucket(self, lengths: list[int], starts: list[int], length: int | None) -> int | None:
         """The length a piece of prompts of `lengths` going on after `starts` is padded to, if a graph for it can
         be captured."""
-        length = length or next((size for size in CONTINUED_GRAPH_LENGTHS.get(len(lengths), ()) if size >= max(lengths)), None)
+        length = length or graph_length(CONTINUED_GRAPH_LENGTHS, lengths)
         return None if length is None or max(starts) + length > self._columns() else length
 
     def _ready(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
