@@ -80,11 +80,12 @@ class ConversationCache:
         """The longest kept conversation `prepared` (app.engine.inputs.PreparedInputs) goes on from, or None.
         Only the starts of its last LOOKED_AT_TURNS turns are looked at: that is where states are kept, and a
         follow-up, a Retry, an Undo or an edit of a recent turn goes on from one of them. Their keys are made
-        before the lock is taken: the scheduler's thread waits on it."""
-        if not self._kept or not prepared.turn_starts:
+        before the lock is taken: the scheduler's thread waits on it. None is kept before min_tokens."""
+        starts = [start for start in prepared.turn_starts[-LOOKED_AT_TURNS:] if start >= self.min_tokens]
+        if not self._kept or not starts:
             return None
         tokens = _token_bytes(prepared)
-        keys = [_key(tokens, prepared, start) for start in reversed(prepared.turn_starts[-LOOKED_AT_TURNS:])]
+        keys = [_key(tokens, prepared, start) for start in reversed(starts)]
         with self._lock:
             for key in keys:
                 found = self._kept.get(key)
