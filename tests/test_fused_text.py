@@ -281,11 +281,16 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
     slots = [9, 3, 7]
     logits = continued.run(embeddings[:30], [10, 15, 5], [100, 1500, 40], slots)
     assert [(lens, starts, their_slots, bucket) for _, lens, starts, their_slots, bucket in pieces] == [
-        ([10, 15], [100, 1500], [9, 3], 16), ([5], [40], [7], 16)]
+        ([10, 15], [100, 1500], [9, 3], (16, 2048)), ([5], [40], [7], (16, 2048))]
     assert replays == [1, 2] and logits[:, 0].tolist() == [1.0, 1.0, 2.0]
     pieces.clear(), replays.clear()
-    assert continued.run(embeddings[:30], [10, 15, 5], [100, 2040, 40], slots) is None  # past the columns read
+    assert continued.run(embeddings[:30], [10, 15, 5], [100, 2040, 40], slots) is None  # past the store's columns
     assert pieces == []
+    store.column_capacity = 8192  # a store grown for longer conversations: graphs reading as many columns as they need
+    continued.run(embeddings[:30], [10, 15, 5], [100, 2040, 4090], slots)
+    assert [bucket for *_, bucket in pieces] == [(16, 4096), (16, 8192)]
+    pieces.clear(), replays.clear()
+    store.column_capacity = 2048
 
     monkeypatch.setattr(continued, "_ready", lambda embeddings, lengths, *rest: ready(embeddings, ["fails"] if len(lengths) == 1 else lengths, *rest))
     assert continued.run(embeddings[:30], [10, 15, 5], [100, 1500, 40], slots) is None  # the second piece's capture fails

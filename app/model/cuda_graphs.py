@@ -207,14 +207,15 @@ def replayed(ready: list[tuple]) -> torch.Tensor:
 # else would add a wave's launches from Python to every large wave, and for 8 or 16 follow-ups' new turns.
 CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16, 256),
                            16: (16, 256), 32: (16,), 64: (16,)}
-# The columns a captured continued prefill's attention reads of each slot (at most the store's): every one,
-# however short the conversation, so not more; a prompt that would reach past them is launched.
+# The columns a captured continued prefill's attention reads of each slot: every one, however short the
+# conversation, so the fewest that hold its prompts of 2,048, 4,096, ... (at most the store's). A conversation
+# past 2,048 tokens replays graphs of its own, captured at its first use, rather than launches from Python.
 CONTINUED_GRAPH_COLUMNS = 2048
 
 
 class ContinuedPrefillGraphs(GraphSet):
     """The fused text model's continued prefill (FusedTextModel.prefill_continued_padded) captured as a CUDA
-    graph per (prompts, padded length) of CONTINUED_GRAPH_LENGTHS, for PrefillGraphs' reason: launched from Python, a
+    graph per (prompts, padded length, columns read) of CONTINUED_GRAPH_LENGTHS, for PrefillGraphs' reason: launched from Python, a
     few tokens' prefill is tens of ms of launches. Its prompts are padded at their end, through which every
     state goes unchanged."""
 
@@ -244,19 +245,23 @@ class ContinuedPrefillGraphs(GraphSet):
                          lambda piece, start, end, bucket: self._ready(piece, lengths[start:end], starts[start:end],
                                                                        slots[start:end], bucket))
 
-    def _bucket(self, lengths: list[int], starts: list[int], length: int | None) -> int | None:
-        """The length a piece of prompts of `lengths` going on after `starts` is padded to, if a graph for it can
-        be captured."""
+    def _bucket(self, lengths: list[int], starts: list[int], length: int | None) -> tuple[int, int] | None:
+        """The length a piece of prompts of `lengths` going on after `starts` is padded to and the columns its
+        attention reads, if a graph for it can be captured."""
         length = length or graph_length(CONTINUED_GRAPH_LENGTHS, lengths)
-        return None if length is None or max(starts) + length > self._columns() else length
+        if length is None:
+            return None
+        reach = max(starts) + length
+        columns = min(max(CONTINUED_GRAPH_COLUMNS, 1 << (reach - 1).bit_length()), self.store.column_capacity)
+        return None if reach > columns else (length, columns)
 
     def _ready(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
-               length: int) -> tuple | None:
+               bucket: tuple[int, int]) -> tuple | None:
         """The piece's graph and its output, its inputs in place (the graph captured now if need be: that leaves
         the slots' states as they were), or None if capturing failed."""
-        rows = len(lengths)
+        rows, (length, columns) = len(lengths), bucket
         self._drop_if_stale()
-        captured = self.captured.get((rows, length))
+        captured = self.captured.get((rows, length, columns))
         if captured is None:
             static_embeddings = torch.zeros((rows * length, embeddings.shape[1]), dtype=embeddings.dtype,
                                             device=self.store.device)
@@ -270,15 +275,12 @@ class ContinuedPrefillGraphs(GraphSet):
             padded[row, :size] = embeddings[at:at + size]
             at += size
         if captured is None:
-            captured = self._capture_bucket(static_embeddings, static_places, rows, length)
+            captured = self._capture_bucket(static_embeddings, static_places, rows, length, columns)
             if captured is None:
                 return None
         return captured[2:]
 
-    def _columns(self) -> int:
-        return min(self.store.column_capacity, CONTINUED_GRAPH_COLUMNS)
-
-    def _capture_bucket(self, static_embeddings, static_places, rows: int, length: int):
+    def _capture_bucket(self, static_embeddings, static_places, rows: int, length: int, columns: int):
         # Each run goes on from the prompts' slots and moves their states on: the warm-up runs' effect is undone
         # before the replay that counts.
         slots = static_places[2 * rows:]
@@ -287,8 +289,8 @@ class ContinuedPrefillGraphs(GraphSet):
         try:
             graph, static_logits = self._capture(
                 lambda: self.fused.prefill_continued_padded(static_embeddings, static_places[:rows],
-                                                            static_places[rows:2 * rows], slots, self._columns()),
-                f"the continued prefill of {rows} prompts of up to {length} tokens")
+                                                            static_places[rows:2 * rows], slots, columns),
+                f"the continued prefill of {rows} prompts of up to {length} tokens over {columns} columns")
         except RuntimeError as error:
             log.warning("The continued prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
             self.given_up = True
@@ -297,9 +299,9 @@ class ContinuedPrefillGraphs(GraphSet):
             for states, kept in zip((self.store.conv, self.store.recurrent), saved):
                 for layer, state in kept.items():
                     states[layer].index_copy_(0, slots, state)
-        self.captured[rows, length] = (static_embeddings, static_places, graph, static_logits)
+        self.captured[rows, length, columns] = (static_embeddings, static_places, graph, static_logits)
         self.store_generation = self.store.generation
-        return self.captured[rows, length]
+        return self.captured[rows, length, columns]
 
 
 class DecodeGraphs(GraphSet):
