@@ -290,6 +290,10 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
     continued.run(embeddings[:30], [10, 15, 5], [100, 2040, 4090], slots)
     assert [bucket for *_, bucket in pieces] == [(16, 4096), (16, 8192)]
     pieces.clear(), replays.clear()
+    many = torch.zeros((64, 4))  # 64 generation prompts, one of a long conversation: more than the warm-up gathers
+    assert continued.run(many, [1] * 64, [100] * 63 + [3000], list(range(64))) is None and pieces == []
+    assert continued.run(many[:32], [1] * 32, [100] * 31 + [3000], list(range(32))) is not None
+    pieces.clear(), replays.clear()
     store.column_capacity = 2048
 
     monkeypatch.setattr(continued, "_ready", lambda embeddings, lengths, *rest: ready(embeddings, ["fails"] if len(lengths) == 1 else lengths, *rest))

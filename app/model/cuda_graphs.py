@@ -2,7 +2,8 @@
 prompts up to 1,024 tokens, up to 64 prompts of short ones; a wave of any other count runs as pieces of 2^k
 prompts, a graph each): even fused, a step is a chain of a few hundred small kernels, and launching them from
 Python would cost more than running them. Captured at warm-up, replayed while serving, and captured again only
-when the slot store moves its tensors (app.model.batch_cache)."""
+when the slot store moves its tensors (app.model.batch_cache); a continued prefill of a conversation past 2,048
+tokens is captured at its first use."""
 
 import functools
 import logging
@@ -165,7 +166,7 @@ def graph_length(lengths_by_count: dict, lengths: list[int]) -> int | None:
 
 def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, ready: Callable) -> torch.Tensor | None:
     """The logits of a prefill of prompts of `lengths` (their embeddings packed back to back) run as pieces of 2^k
-    prompts, a captured graph each, or None where a piece has no bucket (`bucket(start, end)`: the length the
+    prompts, a captured graph each, or None where a piece has no bucket (`bucket(start, end)`: what the
     prompts start:end are padded to, or None) or its graph cannot be made ready (`ready(their embeddings, start,
     end, length)`: (graph, its output), its inputs in place, or None). Every piece is made ready before any is
     replayed: one that fails leaves no piece run."""
@@ -209,7 +210,8 @@ CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (1
                            16: (16, 256), 32: (16,), 64: (16,)}
 # The columns a captured continued prefill's attention reads of each slot: every one, however short the
 # conversation, so the fewest that hold its prompts of 2,048, 4,096, ... (at most the store's). A conversation
-# past 2,048 tokens replays graphs of its own, captured at its first use, rather than launches from Python.
+# past 2,048 tokens replays graphs of its own, captured at its first use, rather than launches from Python, in
+# pieces that gather no more keys and values than the warm-up's largest (64 prompts over 2,048 columns).
 CONTINUED_GRAPH_COLUMNS = 2048
 
 
@@ -253,7 +255,8 @@ class ContinuedPrefillGraphs(GraphSet):
             return None
         reach = max(starts) + length
         columns = min(max(CONTINUED_GRAPH_COLUMNS, 1 << (reach - 1).bit_length()), self.store.column_capacity)
-        return None if reach > columns else (length, columns)
+        too_much = len(lengths) * columns > max(CONTINUED_GRAPH_LENGTHS) * CONTINUED_GRAPH_COLUMNS
+        return None if reach > columns or too_much else (length, columns)
 
     def _ready(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
                bucket: tuple[int, int]) -> tuple | None:
@@ -291,6 +294,10 @@ class ContinuedPrefillGraphs(GraphSet):
                 lambda: self.fused.prefill_continued_padded(static_embeddings, static_places[:rows],
                                                             static_places[rows:2 * rows], slots, columns),
                 f"the continued prefill of {rows} prompts of up to {length} tokens over {columns} columns")
+        except torch.cuda.OutOfMemoryError:  # a bucket first met while serving: this one is launched, not the rest
+            log.warning("No memory to capture the continued prefill of %d prompts over %d columns; launched from Python",
+                        rows, columns)
+            return None
         except RuntimeError as error:
             log.warning("The continued prefill cannot be captured as a CUDA graph (%s); it is launched from Python", error)
             self.given_up = True
