@@ -27,11 +27,12 @@ PREFILL_LENGTH_MULTIPLE = 64
 RESERVED_COLUMNS = 1024
 # Where the decode step reads only each request's own columns (the fused text model), the warm-up doubles the
 # reserved columns, up to RESERVED_COLUMNS_MAX, while a whole batch's keys and values take at most this share of
-# the GPU's memory: 2,048 on an H100 or H200 (6.4 GB for 256 slots), so that a conversation passing 1,024 tokens
-# (a follow-up's fourth turn about a photo) does not grow the store and capture every graph again
-# (docs/DECISIONS.md D46); 1,024 for 256 slots on a 48 GB card.
-RESERVED_COLUMNS_SHARE = 0.08
-RESERVED_COLUMNS_MAX = 2048
+# the GPU's memory: 4,096 on an H100 or H200 (12.9 GB for 256 slots), 2,048 for 256 slots on a 48 GB card. A
+# conversation past them grows the store, which captures every graph again at its next use, each stalling every
+# stream: a follow-up's conversation about a photo passes 2,048 tokens by its ninth turn, a video's sooner
+# (docs/DECISIONS.md D46, D49).
+RESERVED_COLUMNS_SHARE = 0.16
+RESERVED_COLUMNS_MAX = 4096
 # 1: the text model runs as app.model.text.fused writes it (decode step and prefill) where the checkpoint
 # allows; 0: through transformers' layers.
 FUSED_TEXT_MODEL = 1

@@ -183,7 +183,7 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
     gigabyte = 10**9
     card = SimpleNamespace(total_memory=80 * gigabyte)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
-    for name, value in (("RESERVED_COLUMNS", 1024), ("RESERVED_COLUMNS_SHARE", 0.08), ("RESERVED_COLUMNS_MAX", 2048)):
+    for name, value in (("RESERVED_COLUMNS", 1024), ("RESERVED_COLUMNS_SHARE", 0.16), ("RESERVED_COLUMNS_MAX", 4096)):
         monkeypatch.setattr(f"app.tuning.{name}", value)
 
     def runner(rows_store, reads_every_column=False, device="cuda"):
@@ -197,10 +197,12 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
 
     store = filled_store()  # one attention layer: 2 heads of 4 fp32 keys and values, 64 bytes a column
     assert store.column_bytes() == 64
-    rows = 6.4 * gigabyte // (64 * 2048)  # a batch whose 2,048 columns take 6.4 GB: within 8% of 80 GB
-    assert BatchRunner._reserved_columns(runner(store), rows) == 2048
-    assert BatchRunner._reserved_columns(runner(store), 8) == 2048  # a small batch: no further than the most
+    rows = 12.8 * gigabyte // (64 * 4096)  # a batch whose 4,096 columns take 12.8 GB: within 16% of 80 GB
+    assert BatchRunner._reserved_columns(runner(store), rows) == 4096
+    assert BatchRunner._reserved_columns(runner(store), 8) == 4096  # a small batch: no further than the most
     card.total_memory = 48 * gigabyte
+    assert BatchRunner._reserved_columns(runner(store), rows) == 2048
+    card.total_memory = 24 * gigabyte
     assert BatchRunner._reserved_columns(runner(store), rows) == 1024
     assert BatchRunner._reserved_columns(runner(store, reads_every_column=True), 8) == 1024
     assert BatchRunner._reserved_columns(runner(store, device="cpu"), 8) == 1024
@@ -208,4 +210,4 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
 
     card.total_memory = 80 * gigabyte
     BatchRunner._reserve_batch(runner(store), 8)  # the warm-up's last step: the whole batch's slots taken
-    assert (store.slot_capacity, store.column_capacity) == (8, 2048) and store.keys[3].shape[2] == 2048
+    assert (store.slot_capacity, store.column_capacity) == (8, 4096) and store.keys[3].shape[2] == 4096
