@@ -299,3 +299,29 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
     monkeypatch.setattr(continued, "_ready", lambda embeddings, lengths, *rest: ready(embeddings, ["fails"] if len(lengths) == 1 else lengths, *rest))
     assert continued.run(embeddings[:30], [10, 15, 5], [100, 1500, 40], slots) is None  # the second piece's capture fails
     assert replays == []  # the first piece did not run: a continued prefill run twice would go on twice
+
+
+@pytest.mark.parametrize("column_capacity", [1024, 4096])
+def test_the_warm_up_captures_the_continued_prefill_over_every_column_count_the_store_holds(column_capacity, monkeypatch):
+    """A conversation past 2,048 tokens replays graphs that read 4,096 columns: captured at warm-up where the store
+    holds them (one first met while serving stalls every stream), each piece within the gathering limit."""
+    from types import SimpleNamespace
+
+    from app.model.cuda_graphs import CONTINUED_GRAPH_LENGTHS, ContinuedPrefillGraphs
+
+    store = SimpleNamespace(column_capacity=column_capacity, generation=0, device=torch.device("cpu"))
+    fused = SimpleNamespace(embed=SimpleNamespace(embedding_dim=4, weight=torch.zeros(1)))
+    buckets = []
+
+    def ready(embeddings, lengths, starts, slots, bucket):
+        buckets.append((len(lengths), bucket))
+        assert max(starts) + bucket[0] <= bucket[1]
+        return SimpleNamespace(replay=lambda: None), torch.zeros((len(lengths), 3))
+
+    graphs = ContinuedPrefillGraphs(store, fused)
+    monkeypatch.setattr(graphs, "_ready", ready)
+    graphs.capture_all(max_rows=64)
+    every_columns = [1024] if column_capacity == 1024 else [2048, 4096]
+    assert sorted(buckets) == sorted((rows, (length, columns)) for columns in every_columns
+                                     for rows, lengths in CONTINUED_GRAPH_LENGTHS.items() for length in lengths
+                                     if rows * columns <= 64 * 2048 and length <= columns)

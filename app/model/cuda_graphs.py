@@ -2,8 +2,7 @@
 prompts up to 1,024 tokens, up to 64 prompts of short ones; a wave of any other count runs as pieces of 2^k
 prompts, a graph each): even fused, a step is a chain of a few hundred small kernels, and launching them from
 Python would cost more than running them. Captured at warm-up, replayed while serving, and captured again only
-when the slot store moves its tensors (app.model.batch_cache); a continued prefill of a conversation past 2,048
-tokens is captured at its first use."""
+when the slot store moves its tensors (app.model.batch_cache)."""
 
 import functools
 import logging
@@ -210,8 +209,8 @@ CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (1
                            16: (16, 256), 32: (16,), 64: (16,)}
 # The columns a captured continued prefill's attention reads of each slot: every one, however short the
 # conversation, so the fewest that hold its prompts of 2,048, 4,096, ... (at most the store's). A conversation
-# past 2,048 tokens replays graphs of its own, captured at its first use, rather than launches from Python, in
-# pieces that gather no more keys and values than the warm-up's largest (64 prompts over 2,048 columns).
+# past 2,048 tokens replays graphs of its own (captured at warm-up up to the store's columns) rather than launches
+# from Python, in pieces that gather no more keys and values than 64 prompts over 2,048 columns.
 CONTINUED_GRAPH_COLUMNS = 2048
 
 
@@ -228,13 +227,18 @@ class ContinuedPrefillGraphs(GraphSet):
         self.fused = fused
 
     def capture_all(self, max_rows: int) -> None:
-        """Capture every bucket that fits the store now, each with a throwaway prompt in the first slots."""
+        """Capture every bucket that fits the store now, over each number of columns a conversation within it may
+        need read (one first met while serving would stall every stream for its capture), each with a throwaway
+        prompt in the first slots that reaches the last of those columns."""
         hidden, dtype = self.fused.embed.embedding_dim, self.fused.embed.weight.dtype
-        for rows, lengths in CONTINUED_GRAPH_LENGTHS.items():
-            for length in lengths:
-                if rows <= max_rows and not self.given_up:
-                    self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.store.device), [1] * rows,
-                             [0] * rows, list(range(rows)), length)
+        columns = min(CONTINUED_GRAPH_COLUMNS, self.store.column_capacity)
+        while columns <= self.store.column_capacity:
+            for rows, lengths in CONTINUED_GRAPH_LENGTHS.items():
+                for length in lengths:
+                    if rows <= max_rows and length <= columns and not self.given_up:
+                        self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.store.device), [1] * rows,
+                                 [columns - length] * rows, list(range(rows)), length)
+            columns *= 2
 
     def run(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
             length: int | None = None) -> torch.Tensor | None:
