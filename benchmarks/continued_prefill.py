@@ -1,7 +1,7 @@
 """What a kept conversation changes in the numbers, and what its prefill costs: a prompt prefilled whole
 against the same prompt prefilled in two parts (up to its last turn's start, then the rest from the kept
 state), by each way the second part can run: a captured graph (1, 4 or 8 prompts:
-app.model.cuda_graphs.CONTINUED_GRAPH_LENGTHS) and packed, launched from Python (3 prompts, a count with no
+app.model.continued_graphs.CONTINUED_GRAPH_LENGTHS) and packed, launched from Python (3 prompts, a count with no
 graph). Prints the largest logit difference, whether the chosen token agrees, and the GPU time of each way,
 median over --runs.
 

@@ -243,7 +243,8 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
     no piece runs and the wave is launched whole (None)."""
     from types import SimpleNamespace
 
-    from app.model.cuda_graphs import ContinuedPrefillGraphs, PrefillGraphs
+    from app.model.continued_graphs import ContinuedPrefillGraphs
+    from app.model.cuda_graphs import PrefillGraphs
 
     store = SimpleNamespace(column_capacity=2048, generation=0, device=torch.device("cpu"))
     lengths = [80] * 16 + [200, 30, 300]
@@ -307,7 +308,7 @@ def test_the_warm_up_captures_the_continued_prefill_over_every_column_count_the_
     holds them (one first met while serving stalls every stream), each piece within the gathering limit."""
     from types import SimpleNamespace
 
-    from app.model.cuda_graphs import CONTINUED_GRAPH_LENGTHS, ContinuedPrefillGraphs
+    from app.model.continued_graphs import CONTINUED_GRAPH_LENGTHS, ContinuedPrefillGraphs
 
     store = SimpleNamespace(column_capacity=column_capacity, generation=0, device=torch.device("cpu"))
     fused = SimpleNamespace(embed=SimpleNamespace(embedding_dim=4, weight=torch.zeros(1)))
@@ -325,3 +326,46 @@ def test_the_warm_up_captures_the_continued_prefill_over_every_column_count_the_
     assert sorted(buckets) == sorted((rows, (length, columns)) for columns in every_columns
                                      for rows, lengths in CONTINUED_GRAPH_LENGTHS.items() for length in lengths
                                      if rows * columns <= 64 * 2048 and length <= columns)
+
+
+def test_a_continued_bucket_with_no_memory_to_capture_is_launched_from_then_on_and_the_rest_still_captured(monkeypatch):
+    """No memory for one capture (PyTorch's OutOfMemoryError, or cuBLAS's allocation failure) refuses that bucket
+    alone, not tried again until the graphs are cleared, the slots' states as they were; any other failure gives
+    every capture up. A bucket whose attention mask would pass GROUP_AREA is refused up front."""
+    from types import SimpleNamespace
+
+    from app.model.continued_graphs import ContinuedPrefillGraphs
+
+    state = torch.arange(8.0).view(4, 2)
+    store = SimpleNamespace(column_capacity=4096, generation=0, device=torch.device("cpu"), conv={0: state.clone()},
+                            recurrent={})
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: tensor)  # no CUDA here
+    graphs = ContinuedPrefillGraphs(store, fused=None)
+    failures = {4096: torch.cuda.OutOfMemoryError("CUDA out of memory"),
+                1024: RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")}
+    captures = []
+
+    def capture(run, name):
+        captures.append(name)
+        store.conv[0][2].add_(1.0)  # the warm-up runs move the slot's states on
+        columns = int(name.split(" over ")[1].split()[0])
+        if columns in failures:
+            raise failures[columns]
+        return SimpleNamespace(replay=lambda: None), torch.ones((1, 3))
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    long_one = dict(embeddings=torch.zeros((10, 4)), lengths=[10], starts=[3000], slots=[2])
+    assert graphs.run(**long_one) is None and graphs.run(**long_one) is None
+    assert len(captures) == 1 and graphs.refused == {(1, 16, 4096)} and not graphs.given_up
+    assert torch.equal(store.conv[0], state)
+    assert graphs.run(torch.zeros((10, 4)), [10], [100], [2]) is not None  # over 2,048 columns: captured
+    store.column_capacity = 8192
+    assert graphs._bucket([1000] * 4, [5000] * 4, None) is None  # 4 x 1,024 x 8,192 places: past GROUP_AREA
+    assert graphs._bucket([1000] * 2, [5000] * 2, None) == (1024, 8192)
+    graphs.clear()
+    assert graphs.refused == set()
+    store.column_capacity = 1024
+    assert graphs.run(torch.zeros((10, 4)), [10], [100], [2]) is None and not graphs.given_up  # cuBLAS's
+    failures[1024] = RuntimeError("operation not permitted when stream is capturing")
+    assert graphs.run(torch.zeros((40, 4)), [40], [200], [2]) is None  # another bucket (64 tokens): not memory
+    assert graphs.given_up and graphs.run(torch.zeros((10, 4)), [10], [100], [2]) is None

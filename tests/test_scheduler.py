@@ -211,3 +211,15 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
     card.total_memory = 80 * gigabyte
     BatchRunner._reserve_batch(runner(store), 8)  # the warm-up's last step: the whole batch's slots taken
     assert (store.slot_capacity, store.column_capacity) == (8, 4096) and store.keys[3].shape[2] == 4096
+
+    from app.model.continued_graphs import ContinuedPrefillGraphs
+
+    went_on = []
+    fused_one = runner(store)
+    fused_one.continues = True
+    fused_one.prefill_continued = lambda prompts, starts, slots, columns: went_on.append((prompts, starts, columns))
+    BatchRunner._reserve_batch(fused_one, 8)
+    (prompts, starts, columns), = went_on  # the packed continued prefill's kernels built: a wave no graph holds
+    lengths = [ids.shape[1] for ids, _ in prompts]
+    assert ContinuedPrefillGraphs(store, fused=None)._bucket(lengths, starts, None) is None
+    assert len(prompts) == 8 and max(starts) + max(lengths) <= 1024 <= columns  # within the least a store reserves

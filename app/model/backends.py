@@ -16,7 +16,8 @@ features(pixels, sizes, mode).
 import torch
 
 from app import tuning
-from app.model.cuda_graphs import ContinuedPrefillGraphs, PrefillGraphs
+from app.model.continued_graphs import ContinuedPrefillGraphs
+from app.model.cuda_graphs import PrefillGraphs
 from app.model.uncaptured import LaunchedPrefills
 from app.model.text.fused import FusedTextModel, fused_text_model_for
 from app.model.text.layers import PromptEmbedder, TransformersText
