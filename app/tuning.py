@@ -29,8 +29,8 @@ RESERVED_COLUMNS = 1024
 # reserved columns, up to RESERVED_COLUMNS_MAX, while a whole batch's keys and values take at most this share of
 # the GPU's memory: 4,096 on an H100 or H200 (12.9 GB for 256 slots), 2,048 for 256 slots on a 48 GB card. A
 # conversation past them grows the store, which captures every graph again at its next use, each stalling every
-# stream: a follow-up's conversation about a photo passes 2,048 tokens by its ninth turn, a video's sooner
-# (docs/DECISIONS.md D46, D49).
+# stream: a conversation about a photo with replies of 128 tokens passes 2,048 tokens within ten turns, a video's
+# sooner (docs/DECISIONS.md D46, D49).
 RESERVED_COLUMNS_SHARE = 0.16
 RESERVED_COLUMNS_MAX = 4096
 # 1: the text model runs as app.model.text.fused writes it (decode step and prefill) where the checkpoint

@@ -26,9 +26,9 @@ CONTINUED_GRAPH_COLUMNS = 2048
 
 class ContinuedPrefillGraphs(GraphSet):
     """The fused text model's continued prefill (FusedTextModel.prefill_continued_padded) captured as a CUDA
-    graph per (prompts, padded length, columns read) of CONTINUED_GRAPH_LENGTHS, for PrefillGraphs' reason: launched from Python, a
-    few tokens' prefill is tens of ms of launches. Its prompts are padded at their end, through which every
-    state goes unchanged."""
+    graph per (prompts, padded length, columns read) of CONTINUED_GRAPH_LENGTHS, for PrefillGraphs' reason:
+    launched from Python, a few tokens' prefill is tens of ms of launches. Its prompts are padded at their end,
+    through which every state goes unchanged."""
 
     given_up = False
 
