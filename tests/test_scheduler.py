@@ -5,6 +5,7 @@ import torch
 
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
+from app.model.runner import BatchRunner
 from app.model.sampling import choose
 from app.engine.scheduler import Request, Scheduler
 from app.engine.settings import GenerationSettings
@@ -33,6 +34,11 @@ class SameLogits:
 
     def move(self, sources: list[int], targets: list[int], columns: int) -> None:
         pass
+
+    joined = staticmethod(BatchRunner.joined)
+
+    def rows(self, tensor, index):
+        return tensor[index]
 
 
 def running(logits: list[float], **settings) -> tuple[Scheduler, Request, list[str]]:
@@ -118,6 +124,39 @@ def test_requests_that_leave_free_their_slots_in_one_move_and_the_rest_stay_dens
     last = scheduler._running[-1]
     scheduler._leave(lambda request: request is last)  # the last slot: nothing moves
     assert len(scheduler.runner.moves) == 1 and last not in scheduler._running
+
+
+class NextNumber(SlotContents):
+    """A stand-in whose every row's next token is its input plus one (an end token at 63)."""
+
+    def __init__(self, requests: list[Request]):
+        super().__init__(requests)
+        self.logits = torch.zeros((1, 64))
+
+    def decode(self, tokens):
+        self.steps += 1
+        return torch.nn.functional.one_hot((tokens + 1) % 64, 64).float()
+
+
+def test_requests_leave_behind_the_step_in_flight_and_the_others_go_on_from_their_own_tokens():
+    scheduler = Scheduler(max_batch=8, max_waiting=0, metrics=EngineMetrics())
+    lengths = (2, 5, 3, 7, 1, 4)
+    requests = [Request(messages=[], prepared=PreparedInputs(tensors={}, prompt_tokens=5), version=0,
+                        settings=GenerationSettings(do_sample=False, max_new_tokens=length), requested_at=0.0,
+                        emit=lambda kind, value: None) for length in lengths]
+    for number, request in enumerate(requests):
+        request.last_token = 10 * number
+    scheduler.runner = NextNumber(requests)
+    scheduler._running = list(requests)
+    scheduler._end_token_set = {63}
+    settled = []
+    scheduler._settle = lambda original=scheduler._settle: (settled.append(len(scheduler._running)), original())
+    decode_to_the_end(scheduler)
+    for number, (request, length) in enumerate(zip(requests, lengths)):
+        assert request.generated == list(range(10 * number + 1, 10 * number + 1 + length))
+    # Only the last to leave waited for the step in flight; the others left behind it, moving slots.
+    assert settled == [0] and scheduler.runner.moves
+    assert scheduler.runner.steps == max(lengths) + 1 and scheduler._in_flight is None
 
 
 def filled_store():

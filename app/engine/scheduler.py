@@ -9,13 +9,14 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
 2. once a wave's media are encoded, prefill its requests together into their slots
    (app.model.batch_cache), choose their first tokens, and admit the next wave;
 3. launch one decode step shared by every running request, then hand each its token from the step
-   before, which the host reads while this one runs. The next step's input is the last one's output,
-   already on the GPU, so the GPU need not wait for the host's bookkeeping between steps: on an H200 a
-   lone reply's step takes 1.22 ms in the scheduler (1.45-1.60 before) against 1.16-1.17 for the captured
-   step alone (docs/DECISIONS.md D19). Nothing between two launches
-   may wait for the GPU (app.model.transfers). A request that ended at the step handed out is in the step running and gets
-   no more tokens from it; before anyone joins or leaves, the step in flight is handed out. So a request
-   stopped by its caller is in at most two more steps, where it was in one.
+   before (and a wave's first tokens), which the host reads while this one runs. The next step's input
+   is the last one's output, already on the GPU, so the GPU need not wait for the host's bookkeeping
+   between steps: on an H200 a lone reply's step takes 1.22 ms in the scheduler (1.45-1.60 before)
+   against 1.16-1.17 for the captured step alone (docs/DECISIONS.md D19). Nothing between two launches
+   may wait for the GPU (app.model.transfers): a wave is prefilled behind the step in flight, and
+   requests that end leave their slots behind it too, the next step's inputs gathered on the GPU into
+   the new slot order (D50). A request that ended at the step handed out is in the step running and
+   gets no more tokens from it. So a request stopped by its caller is in at most two more steps.
 
 Between steps a request that finished, was stopped, or whose client went away leaves its slot; the
 others never notice. Joining at step boundaries rather than in waves means a newcomer waits for at
@@ -106,7 +107,10 @@ class Scheduler:
         self._running: list[Request] = []  # request i holds slot i
         # A wave whose media are being encoded, with its app.model.streams.MediaEncoding.
         self._encoding: tuple[list[Request], object] | None = None
-        self._in_flight: LaunchedStep | None = None  # its requests are self._running, in the same order
+        self._in_flight: LaunchedStep | None = None  # the decode step launched last, not handed out yet
+        self._joined: list[tuple[list[Request], object]] = []  # waves since, with their first tokens' Choice
+        # Each running request's next input token on the device, in slot order, while any is not handed out.
+        self._inputs = None
         self._paused = False
         self._thread: threading.Thread | None = None
         metrics.gauges.update(queue_depth=lambda: self.waiting, batch_size=lambda: self.running,
@@ -196,20 +200,21 @@ class Scheduler:
             with self.runner.serving():
                 self._encode(admitted)
                 # With nothing running there is nothing to do meanwhile: wait for the media.
-                if self._encoding is not None and self._encoding[1].ready(wait=not self._running):
-                    self._settle()
+                joined = self._encoding is not None and self._encoding[1].ready(wait=not self._running)
+                if joined:
                     self._prefill()
-                    self._encode(self._next_admissions(wait=False))
                 if any(request.cancelled.is_set() for request in self._running):
                     self._settle()
                     self._leave(lambda request: request.cancelled.is_set())
                 if self._running:
                     self._decode_step()
+                if joined:  # the next wave's media, once this wave's first tokens are out
+                    self._encode(self._next_admissions(wait=False))
                 if self.inline:  # on ZeroGPU the GPU is the caller's only during its call: nothing stays in flight
                     self._settle()
         except Exception as error:  # a failure of the shared step: every running request gets it
             log.error("Batch step failed", exc_info=error)
-            encoding, self._encoding, self._in_flight = self._encoding, None, None
+            encoding, self._encoding, self._in_flight, self._joined, self._inputs = self._encoding, None, None, [], None
             self._fail(self._running + (encoding[0] if encoding else []), error)
             self._leave(lambda request: True)
         return True
@@ -262,8 +267,8 @@ class Scheduler:
         self.metrics.prefill_work(time.perf_counter() - now)
 
     def _prefill(self) -> None:
-        """Prefill the wave whose media are encoded into the slots after the running requests', and hand
-        each its first token."""
+        """Prefill the wave whose media are encoded into the slots after the running requests' (behind the
+        decode step in flight), and choose each its first token, handed out with that step."""
         started = time.perf_counter()
         (admitted, encoding), self._encoding = self._encoding, None
         self.metrics.wave_encoded(encoding.seconds)
@@ -279,40 +284,59 @@ class Scheduler:
                 request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
             if request.settings.seed is not None and request.settings.do_sample:
                 request.generator = self.runner.generator(request.settings.seed)
+        choice = self._choose(admitted, logits, ahead=[0] * len(admitted))
+        running = self._running_inputs()
+        self._inputs = choice.as_input if running is None else self.runner.joined([running, choice.as_input])
         self._running.extend(admitted)
-        self._hand_out(admitted, self._choose(admitted, logits, ahead=0).read_back.tolist())
+        self._joined.append((admitted, choice))
         self.metrics.tokens(len(admitted))
-        self._leave_if_done()
         self.metrics.prefill_work(time.perf_counter() - started)
 
+    def _running_inputs(self):
+        """The running requests' next input tokens on the device, in slot order (None if none runs)."""
+        if self._inputs is None and self._running:
+            return self.runner.tokens_on_device([request.last_token for request in self._running])
+        return self._inputs
+
     def _decode_step(self) -> None:
-        """Launch a decode step for every running request, then hand out the step before it (see the
-        module's docstring); the step launched stays in flight."""
+        """Launch a decode step for every running request, then hand out the step before it and the waves'
+        first tokens (see the module's docstring); the step launched stays in flight, and those that
+        ended leave behind it."""
         started = time.perf_counter()
-        previous, self._in_flight = self._in_flight, None
-        if previous is None:
-            tokens = self.runner.tokens_on_device([request.last_token for request in self._running])
-        else:
-            tokens = previous.choice.as_input
-        choice = self._choose(self._running, self.runner.decode(tokens), ahead=int(previous is not None))
-        self._in_flight = LaunchedStep(list(self._running), choice, started)
-        if previous is not None:
-            self._hand_out_step(previous)
-            if any(request.done for request in self._running):  # they leave, which moves slots: settle first
-                self._settle()
+        previous, joined = self._handed_over()
+        pending = {id(request) for part in ([previous.requests] if previous else []) + [r for r, _ in joined] for request in part}
+        tokens = self._running_inputs()
+        choice = self._choose(self._running, self.runner.decode(tokens),
+                              ahead=[int(id(request) in pending) for request in self._running])
+        self._in_flight, self._inputs = LaunchedStep(list(self._running), choice, started), choice.as_input
+        self._hand_out_pending(previous, joined)
+        self._leave_if_done()
+        if not self._running:  # the last ones left: no later step would hand theirs out
+            self._settle()
         self.metrics.decode_work(time.perf_counter() - started)
 
-    def _settle(self) -> None:
-        """Hand out the step in flight, if any, and free the slots of the requests that ended."""
-        step, self._in_flight = self._in_flight, None
+    def _handed_over(self) -> tuple[LaunchedStep | None, list]:
+        """The step in flight and the waves' first tokens, no longer pending here."""
+        previous, joined = self._in_flight, self._joined
+        self._in_flight, self._joined = None, []
+        return previous, joined
+
+    def _hand_out_pending(self, step: LaunchedStep | None, joined: list) -> None:
         if step is not None:
             self._hand_out_step(step)
+        for requests, choice in joined:
+            self._hand_out(requests, choice.read_back.tolist())
+
+    def _settle(self) -> None:
+        """Hand out the step in flight and the waves' first tokens, and free the slots of the requests that ended."""
+        self._hand_out_pending(*self._handed_over())
+        self._inputs = None
         self._leave_if_done()
 
-    def _choose(self, requests: list[Request], logits, ahead: int):
-        """Each request's next token from its row of `logits` (an app.model.sampling.Choice); `ahead`:
-        tokens chosen for each and not handed out yet (they count towards its minimum length)."""
-        barred = [len(r.generated) + ahead < r.settings.min_new_tokens for r in requests]
+    def _choose(self, requests: list[Request], logits, ahead: list[int]):
+        """Each request's next token from its row of `logits` (an app.model.sampling.Choice); `ahead[i]`:
+        tokens chosen for requests[i] and not handed out yet (they count towards its minimum length)."""
+        barred = [len(r.generated) + a < r.settings.min_new_tokens for r, a in zip(requests, ahead)]
         choice = self.runner.choose(logits, [r.row for r in requests], [r.seen for r in requests], barred,
                                     [r.generator for r in requests])
         for request, seen in zip(requests, choice.seen):
@@ -381,7 +405,8 @@ class Scheduler:
             request.emit(ReplyEvent.ERROR, error)
 
     def _leave(self, leaves: Callable[[Request], bool]) -> None:
-        """Free the slots of requests for which `leaves` is true; those past the last staying slot move down, in one move."""
+        """Free the slots of requests for which `leaves` is true; those past the last staying slot move down,
+        in one move, behind the step in flight, and their next inputs with them."""
         with self._changed:
             leaving = [leaves(request) for request in self._running]
             staying = leaving.count(False)
@@ -391,6 +416,10 @@ class Scheduler:
                 self.runner.move(movers, holes, max(self._running[slot].tokens_held for slot in movers))
                 for hole, mover in zip(holes, movers):
                     self._running[hole] = self._running[mover]
+            if self._inputs is not None:
+                moved = dict(zip(holes, movers))
+                self._inputs = self.runner.rows(self._inputs, [moved.get(slot, slot) for slot in range(staying)]) \
+                    if movers else self._inputs[:staying]
             del self._running[staying:]
             self._changed.notify_all()
 

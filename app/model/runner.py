@@ -195,9 +195,13 @@ class BatchRunner:
         self.store.restore(snapshots, slots)
 
     @staticmethod
-    def joined(logits: list[torch.Tensor]) -> torch.Tensor:
-        """Logits of several prefills of one wave, as one [rows, vocab]."""
-        return logits[0] if len(logits) == 1 else torch.cat(logits)
+    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+        """Rows of several parts as one tensor, in order: a wave's prefills' logits, or next input tokens."""
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def rows(self, tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """tensor's rows index[0], index[1], ..., gathered on its device without waiting for the GPU."""
+        return tensor.index_select(0, on_device(index, torch.long, tensor.device))
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """One step for slots [0, n) fed `tokens` [n]; next-token logits [n, vocab]."""
