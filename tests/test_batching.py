@@ -284,7 +284,8 @@ def test_prefill_waves_are_powers_of_two_within_the_token_budget():
     from app import tuning
     from app.engine.inputs import PreparedInputs
     from app.engine.metrics import EngineMetrics
-    from app.engine.scheduler import Request, Scheduler
+    from app.engine.request import Request
+from app.engine.scheduler import Scheduler
 
     scheduler = Scheduler(max_batch=64, max_waiting=100, metrics=EngineMetrics())
 
@@ -363,7 +364,7 @@ def test_replies_are_updated_less_often_when_many_stream_at_once(manager, tmp_pa
     """All replies together stay near STREAM_UPDATES_PER_S updates a second (the web server's load), and
     each still gets its text whole."""
     from app import tuning
-    from app.engine.scheduler import stream_update_interval
+    from app.engine.request import stream_update_interval
 
     assert stream_update_interval(1) == tuning.STREAM_UPDATE_INTERVAL_S
     assert stream_update_interval(200) == 200 / tuning.STREAM_UPDATES_PER_S

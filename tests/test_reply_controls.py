@@ -11,7 +11,8 @@ from app.config import AppConfig
 from app.engine.api import ReplyEvent
 from app.engine.metrics import EngineMetrics
 from app.engine.openai_backend import OpenAIEngine
-from app.engine.scheduler import Request, Scheduler
+from app.engine.request import Request
+from app.engine.scheduler import Scheduler
 from app.engine.settings import GenerationSettings, RowSettings
 from app.model.sampling import next_tokens
 from tests.conftest import make_image, wait_for

@@ -7,7 +7,8 @@ from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.model.runner import BatchRunner
 from app.model.sampling import choose
-from app.engine.scheduler import Request, Scheduler
+from app.engine.request import Request
+from app.engine.scheduler import Scheduler
 from app.engine.settings import GenerationSettings
 
 END = 9

@@ -25,7 +25,8 @@ from app.engine.metrics import EngineMetrics
 from app.engine.replies import follow_reply, prepared_summary
 from app.engine.preparers import ProcessPreparer, ThreadPreparer, preparer_processes
 from app.model.checkpoint.presets import find_preset
-from app.engine.scheduler import Request, Scheduler
+from app.engine.request import Request
+from app.engine.scheduler import Scheduler
 from app.engine.api import ModelInfo, ReplyEvent, ReplyUpdate
 from app.engine.settings import GenerationSettings
 from app.engine.stop_signal import StopSignal

@@ -7,7 +7,8 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
    kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
    of its own, so that the running replies' decode steps can go on meanwhile: see app.model.runner);
 2. once a wave's media are encoded, prefill its requests together into their slots
-   (app.model.batch_cache), choose their first tokens, and admit the next wave;
+   (app.model.batch_cache) and choose their first tokens, handed out with the next step; once that step
+   is launched, admit the next wave;
 3. launch one decode step shared by every running request, then hand each its token from the step
    before (and a wave's first tokens), which the host reads while this one runs. The next step's input
    is the last one's output, already on the GPU, so the GPU need not wait for the host's bookkeeping
@@ -28,12 +29,11 @@ Each request talks to its caller through its own `emit(kind, value)`: ("place", 
 thread, or in another process (app.engine.process).
 """
 
-import functools
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from app import tuning
@@ -42,42 +42,11 @@ from app.engine.conversations import ConversationCache, prefill_wave
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.engine.api import ReplyEvent
-from app.engine.settings import GenerationSettings, RowSettings
+from app.engine.request import Request, stream_update_interval
 from app.engine.waves import wave_size
 from app.errors import Busy, ServingFailed
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Request:
-    messages: list[dict]  # the conversation, to prepare again if the model is switched while it waits
-    prepared: PreparedInputs
-    settings: GenerationSettings
-    version: int  # the model load the inputs were prepared for
-    requested_at: float
-    emit: Callable[[str, object], None]  # hands the caller an event (app.engine.api.ReplyEvent)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    started_at: float | None = None
-    first_token_at: float | None = None
-    generated: list[int] = field(default_factory=list)
-    last_token: int | None = None
-    done: bool = False  # it ended: it leaves at the next step boundary
-    seen: object = None  # token ids seen so far (on the device), kept only under a repetition penalty
-    generator: object = None  # its own random draws (a torch.Generator on the device), for a sampled reply with a seed
-    finish_reason: str = "stop"  # "length" when it ends at its max_new_tokens
-    delivered: int = 0  # generated tokens already handed to the caller
-    delivered_at: float = 0.0
-    place: int | None = None
-
-    @property
-    def tokens_held(self) -> int:  # at least as many as its slot holds: the prompt, a column a token since the first
-        return self.prepared.prompt_tokens + len(self.generated)
-
-    @functools.cached_property
-    def row(self) -> RowSettings:
-        s = self.settings
-        return RowSettings(s.do_sample, s.temperature, s.top_k, s.top_p, s.repetition_penalty)
 
 
 @dataclass(eq=False)
@@ -375,26 +344,11 @@ class Scheduler:
             if ended:
                 request.finish_reason = "length"
         request.last_token, request.done = token, ended
-        self._deliver(request, ended, now, interval)
+        request.deliver(ended, now, interval)
 
     def _leave_if_done(self) -> None:
         if any(request.done for request in self._running):
             self._leave(lambda request: request.done)
-
-    def _deliver(self, request: Request, ended: bool, now: float, interval: float) -> None:
-        """Hand new tokens to the caller: the first at once, then at most every `interval` seconds.
-
-        Waking hundreds of callers at every step would cost the GIL more than the step itself.
-        """
-        if len(request.generated) > request.delivered and (
-                ended or not request.delivered or now - request.delivered_at >= interval):
-            if not request.delivered:  # what a reply ended early by its caller (a stop text) needs for its stats
-                request.emit(ReplyEvent.FIRST_TOKEN, {"started_at": request.started_at, "first_token_at": request.first_token_at})
-            request.emit(ReplyEvent.TOKENS, request.generated[request.delivered:])
-            request.delivered, request.delivered_at = len(request.generated), now
-        if ended:
-            request.emit(ReplyEvent.END, {"new_tokens": len(request.generated), "started_at": request.started_at,
-                                          "first_token_at": request.first_token_at, "finish_reason": request.finish_reason})
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         """Give `error` to each of `requests`, after releasing what an out-of-memory left cached, kept
@@ -423,7 +377,3 @@ class Scheduler:
             del self._running[staying:]
             self._changed.notify_all()
 
-
-def stream_update_interval(running: int) -> float:
-    """Seconds between two updates of one reply while `running` replies stream (see STREAM_UPDATES_PER_S)."""
-    return max(tuning.STREAM_UPDATE_INTERVAL_S, running / tuning.STREAM_UPDATES_PER_S)
