@@ -285,7 +285,7 @@ def test_prefill_waves_are_powers_of_two_within_the_token_budget():
     from app.engine.inputs import PreparedInputs
     from app.engine.metrics import EngineMetrics
     from app.engine.request import Request
-from app.engine.scheduler import Scheduler
+    from app.engine.scheduler import Scheduler
 
     scheduler = Scheduler(max_batch=64, max_waiting=100, metrics=EngineMetrics())
 

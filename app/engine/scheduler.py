@@ -239,24 +239,28 @@ class Scheduler:
         """Prefill the wave whose media are encoded into the slots after the running requests' (behind the
         decode step in flight), and choose each its first token, handed out with that step."""
         started = time.perf_counter()
-        (admitted, encoding), self._encoding = self._encoding, None
+        admitted, encoding = self._encoding
         self.metrics.wave_encoded(encoding.seconds)
         try:
             columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
             admitted, logits = prefill_wave(self.runner, self.conversations, admitted, encoding.features(),
                                             len(self._running), columns)
         except Exception as error:
+            self._encoding = None
             self._fail(admitted, error)
             return
+        running = self._running_inputs()
+        # Running before the wave's encoding is let go: pause() must never see neither (and a failure from
+        # here on reaches the wave with the running requests).
+        self._running.extend(admitted)
+        self._encoding = None
         for request in admitted:
-            if request.settings.repetition_penalty != 1.0:
-                request.seen = request.prepared.tensors["input_ids"][0].to(logits.device)
+            if request.settings.repetition_penalty != 1.0:  # a pinned copy: a plain one would wait for the GPU
+                request.seen = self.runner.tokens_on_device(request.prepared.tensors["input_ids"][0].tolist())
             if request.settings.seed is not None and request.settings.do_sample:
                 request.generator = self.runner.generator(request.settings.seed)
         choice = self._choose(admitted, logits, ahead=[0] * len(admitted))
-        running = self._running_inputs()
         self._inputs = choice.as_input if running is None else self.runner.joined([running, choice.as_input])
-        self._running.extend(admitted)
         self._joined.append((admitted, choice))
         self.metrics.tokens(len(admitted))
         self.metrics.prefill_work(time.perf_counter() - started)
@@ -279,9 +283,10 @@ class Scheduler:
                               ahead=[int(id(request) in pending) for request in self._running])
         self._in_flight, self._inputs = LaunchedStep(list(self._running), choice, started), choice.as_input
         self._hand_out_pending(previous, joined)
-        self._leave_if_done()
-        if not self._running:  # the last ones left: no later step would hand theirs out
-            self._settle()
+        if self._running and all(request.done for request in self._running):
+            self._settle()  # the last ones leave once their step is handed out: pause() then means nothing runs
+        else:
+            self._leave_if_done()
         self.metrics.decode_work(time.perf_counter() - started)
 
     def _handed_over(self) -> tuple[LaunchedStep | None, list]:
@@ -366,14 +371,14 @@ class Scheduler:
             staying = leaving.count(False)
             holes = [slot for slot in range(staying) if leaving[slot]]
             movers = [slot for slot in range(staying, len(leaving)) if not leaving[slot]]
-            if movers:
-                self.runner.move(movers, holes, max(self._running[slot].tokens_held for slot in movers))
-                for hole, mover in zip(holes, movers):
-                    self._running[hole] = self._running[mover]
             if self._inputs is not None:
                 moved = dict(zip(holes, movers))
                 self._inputs = self.runner.rows(self._inputs, [moved.get(slot, slot) for slot in range(staying)]) \
                     if movers else self._inputs[:staying]
+            if movers:
+                self.runner.move(movers, holes, max(self._running[slot].tokens_held for slot in movers))
+                for hole, mover in zip(holes, movers):
+                    self._running[hole] = self._running[mover]
             del self._running[staying:]
             self._changed.notify_all()
 

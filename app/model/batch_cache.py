@@ -49,6 +49,7 @@ class SlotStore:
             return
         new_slots = self.slot_capacity if slots <= self.slot_capacity else _grown(self.slot_capacity, slots)
         new_columns = self.column_capacity if columns <= self.column_capacity else _grown(self.column_capacity, columns)
+        self.generation += 1  # first: a growth cut short (out of memory) has moved some layers' tensors already
         for states in (self.keys, self.values):
             for layer, old in states.items():
                 states[layer] = _resized(old, (new_slots, old.shape[1], new_columns, old.shape[3]))
@@ -58,7 +59,6 @@ class SlotStore:
         self.lengths = _resized(self.lengths, (new_slots,))
         self.rope_deltas = _resized(self.rope_deltas, (new_slots,))
         self.slot_capacity, self.column_capacity = new_slots, new_columns
-        self.generation += 1
 
     def column_bytes(self) -> int:
         """Bytes one column of one slot takes: a token's keys and values in every full-attention layer."""
