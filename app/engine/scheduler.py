@@ -250,8 +250,8 @@ class Scheduler:
             self._fail(admitted, error)
             return
         running = self._running_inputs()
-        # Running before the wave's encoding is let go: pause() must never see neither (and a failure from
-        # here on reaches the wave with the running requests).
+        # Running before the wave's encoding is let go, so that pause() always sees one or the other (and a
+        # failure from here on reaches the wave with the running requests).
         self._running.extend(admitted)
         self._encoding = None
         for request in admitted:
@@ -277,7 +277,9 @@ class Scheduler:
         ended leave behind it."""
         started = time.perf_counter()
         previous, joined = self._handed_over()
-        pending = {id(request) for part in ([previous.requests] if previous else []) + [r for r, _ in joined] for request in part}
+        pending = {id(request) for request in previous.requests} if previous else set()  # a token not handed out
+        for requests, _ in joined:
+            pending.update(id(request) for request in requests)
         tokens = self._running_inputs()
         choice = self._choose(self._running, self.runner.decode(tokens),
                               ahead=[int(id(request) in pending) for request in self._running])
