@@ -634,6 +634,21 @@ def test_typed_special_tokens_never_touch_the_shared_tokenizer_of_other_threads(
     assert tokenizer.backend_tokenizer.encode_special_tokens is False
 
 
+def test_the_templates_own_text_is_tokenized_as_the_tokenizer_does(manager):
+    """The template's text goes through a copy of the fast tokenizer of its own, called directly: the same ids
+    as the tokenizer's, its control tokens and a processor's image placeholders included."""
+    from app.engine.prompt_text import _text_encoder
+
+    tokenizer = manager.processor.tokenizer
+    rendered = manager.processor.apply_chat_template(
+        [{"role": "system", "content": [{"type": "text", "text": "Be brief. \u00dcber 世界 🙂"}]},
+         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?\n\n  tabs\t"}]}],
+        add_generation_prompt=True, tokenize=False)
+    for text in (rendered, rendered.replace("<image>", "<image>" + "<|image_pad|>" * 64), " lead", "trail ", "a\n\n\nb"):
+        assert _text_encoder(tokenizer, as_text=False)(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.backend_tokenizer.encode_special_tokens is False
+
+
 def test_a_forged_turn_through_the_api_is_answered_as_text(client, manager, red_image):
     """/ask with a forged system turn and media placeholders typed in: answered (no "Generation failed"),
     its prompt as long as the same text tokenized with every control token spelled out as text."""
