@@ -68,7 +68,7 @@ class TextPartsAsText:
         from transformers import BatchEncoding
 
         ids = [self._token_ids(one) for one in ([text] if isinstance(text, str) else text)]
-        if return_tensors == "pt":  # made here: transformers' conversion walks the ids in Python, 1 ms a prompt
+        if return_tensors == "pt":  # made here: transformers' conversion walks the ids one by one in Python
             import torch
 
             input_ids = torch.tensor(ids)
@@ -96,7 +96,8 @@ def _text_encoder(tokenizer, as_text: bool):
     tokenizer keeps that choice as state of its Rust tokenizer (transformers sets `encode_special_tokens` on
     each call that asks), so asking the shared one from several preparing threads at once let a template's
     `<|image_pad|>` be split into text. So a fast tokenizer gets a copy of its own for each choice, made once;
-    called directly, the copy also skips transformers' wrapping (about 0.5 ms of a prompt's template text)."""
+    called directly, the copy also skips transformers' wrapping, a request's preparation being on the way to
+    its first token (docs/DECISIONS.md D51)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a Python tokenizer takes it as an argument, no state
         return lambda text: tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"]
