@@ -636,7 +636,9 @@ def test_typed_special_tokens_never_touch_the_shared_tokenizer_of_other_threads(
 
 def test_the_templates_own_text_is_tokenized_as_the_tokenizer_does(manager):
     """The template's text goes through a copy of the fast tokenizer of its own, called directly: the same ids
-    as the tokenizer's, its control tokens and a processor's image placeholders included."""
+    as the tokenizer's, its control tokens and a processor's image placeholders included, and all of them."""
+    from tokenizers import Tokenizer
+
     from app.engine.prompt_text import _text_encoder
 
     tokenizer = manager.processor.tokenizer
@@ -647,6 +649,15 @@ def test_the_templates_own_text_is_tokenized_as_the_tokenizer_does(manager):
     for text in (rendered, rendered.replace("<image>", "<image>" + "<|image_pad|>" * 64), " lead", "trail ", "a\n\n\nb"):
         assert _text_encoder(tokenizer, as_text=False)(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.backend_tokenizer.encode_special_tokens is False
+
+    class Truncating:  # a tokenizer.json may set truncation and padding, which transformers resets at each call
+        backend_tokenizer = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        backend_tokenizer.enable_truncation(8)
+        backend_tokenizer.enable_padding(length=64)
+
+    for as_text in (False, True):
+        whole = tokenizer(rendered, add_special_tokens=False, split_special_tokens=as_text)["input_ids"]
+        assert _text_encoder(Truncating(), as_text)(rendered) == whole
 
 
 def test_a_forged_turn_through_the_api_is_answered_as_text(client, manager, red_image):

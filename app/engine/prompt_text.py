@@ -71,7 +71,7 @@ class TextPartsAsText:
         if return_tensors == "pt":  # made here: transformers' conversion walks the ids one by one in Python
             import torch
 
-            input_ids = torch.tensor(ids)
+            input_ids = torch.tensor(ids, dtype=torch.long)
             return BatchEncoding({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
         return BatchEncoding({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]},
                              tensor_type=return_tensors)
@@ -108,5 +108,7 @@ def _text_encoder(tokenizer, as_text: bool):
 
             copy = Tokenizer.from_str(backend.to_str())
             copy.encode_special_tokens = as_text
+            copy.no_truncation()  # a tokenizer.json may set them; transformers' own call resets them every time
+            copy.no_padding()
             encoders[as_text] = lambda text: copy.encode(text, add_special_tokens=False).ids
         return encoders[as_text]
