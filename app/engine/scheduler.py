@@ -169,15 +169,15 @@ class Scheduler:
             with self.runner.serving():
                 self._encode(admitted)
                 # With nothing running there is nothing to do meanwhile: wait for the media.
-                joined = self._encoding is not None and self._encoding[1].ready(wait=not self._running)
-                if joined:
+                media_ready = self._encoding is not None and self._encoding[1].ready(wait=not self._running)
+                if media_ready:
                     self._prefill()
                 if any(request.cancelled.is_set() for request in self._running):
                     self._settle()
                     self._leave(lambda request: request.cancelled.is_set())
                 if self._running:
                     self._decode_step()
-                if joined:  # the next wave's media, once this wave's first tokens are out
+                if media_ready:  # the next wave's media, once this wave's first tokens are out
                     self._encode(self._next_admissions(wait=False))
                 if self.inline:  # on ZeroGPU the GPU is the caller's only during its call: nothing stays in flight
                     self._settle()
