@@ -5,9 +5,9 @@ Messages are the engine's (app.chat): {"role", "content": [{"type": "image" | "v
 "text"}]}. A follow-up's user opens its conversation once, before the level's clock: its image and a question
 of its own (so that no two users hold the same conversation), answered by the engine. In engine mode each
 timed request is the next turn of that conversation, which grows by each question and its answer, as a
-chat's does, for FOLLOW_UP_TURNS turns, then starts again from its opening (in app mode the server keeps
-it, and it grows for the whole level); the OpenAI-style modes send the opening and its answer
-again each time with a new question. No question is sent twice, so that no request repeats a whole earlier
+chat's does, for FOLLOW_UP_TURNS turns (the first round fewer), then starts again from its opening (in app
+mode the server keeps it, and it grows for the whole level); the OpenAI-style modes send the opening and its
+answer again each time with a new question. No question is sent twice, so that no request repeats a whole earlier
 prompt.
 """
 
@@ -111,7 +111,11 @@ def assistant_turn(text: str) -> dict:
 
 # A follow-up's conversation grows by this many turns at most, then starts again from its opening, so that
 # a level's prompts stay near a chat's (about 2,600 tokens at the 4.6 shape, 128 new tokens a turn) however
-# long it runs.
+# long it runs. A user's first round is cut short by its number (1 to FOLLOW_UP_TURNS turns), so that the
+# users, who open their conversations together, start again at different times, as a chat's users do: each
+# restart is a new prompt for the conversation cache (its opening's state was let go for newer ones) and
+# encodes the image again, and together they made a burst that every reply in flight waited behind (the
+# 50-user level's p95 of about 1 s, LOG.md "Follow-ups' restarts spread out").
 FOLLOW_UP_TURNS = 10
 
 
@@ -125,6 +129,7 @@ class UserRequests:
         self.first_turns: list[dict] = []
         self.last: list[dict] = []
         self.sent = 0
+        self.round_turns = 1 + user % FOLLOW_UP_TURNS  # the first round's; FOLLOW_UP_TURNS after it
 
     def open(self, answer) -> None:
         """A follow-up's opening, answered once by `answer(messages) -> the reply's text` (nothing to do for
@@ -139,11 +144,14 @@ class UserRequests:
         return self.last
 
     def answered(self, text: str) -> None:
-        """A follow-up's conversation goes on from the last request and `text`, its answer (engine mode), up to
-        FOLLOW_UP_TURNS turns; then from its first turns again."""
+        """A follow-up's conversation goes on from the last request and `text`, its answer (engine mode), for
+        round_turns turns; then from its first turns again, for FOLLOW_UP_TURNS."""
         if self.workload.follow_up:
             grown = self.last + [assistant_turn(text)]
-            self.opening = grown if len(grown) < len(self.first_turns) + 2 * FOLLOW_UP_TURNS else self.first_turns
+            if len(grown) < len(self.first_turns) + 2 * self.round_turns:
+                self.opening = grown
+            else:
+                self.opening, self.round_turns = self.first_turns, FOLLOW_UP_TURNS
 
 
 def engine_reply(manager, messages: list[dict], settings) -> tuple[str, dict]:
