@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny random checkpoint, the process-wide model manager, and one live server."""
 
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -108,6 +109,13 @@ def picture_requests(folder, count: int, seed: int, question: str) -> dict[int, 
         size = (int(rng.integers(32, 900)), int(rng.integers(32, 900)))
         requests[i] = (question.format(i=i), make_image(folder, f"user{i}.png", size, color))
     return requests
+
+
+def interruptible() -> None:
+    """A Popen preexec_fn: Ctrl+C (SIGINT) reaches `python app.py` as in a terminal. A shell without job control
+    starts a background command with SIGINT ignored, its children inherit that, and Python then installs no
+    KeyboardInterrupt for it: a suite run in the background would see the app ignore its SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for(condition, seconds: float) -> bool:

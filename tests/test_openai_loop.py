@@ -21,7 +21,7 @@ from app.engine.openai_backend import OpenAIEngine
 from app.messages import MSG_API_KEY_MISSING, MSG_API_KEY_WRONG, MSG_ENGINE_DOWN
 from app.media.images import load_image
 from tests import test_browser
-from tests.conftest import ROOT, free_port, make_image, wait_for
+from tests.conftest import ROOT, free_port, interruptible, make_image, wait_for
 from tests.test_api import FIXED, stream
 from tests.test_openai_api import data_url, direct, said
 
@@ -40,7 +40,7 @@ class Upstream:
             self.process = subprocess.Popen(
                 [sys.executable, "app.py", "--model", "tiny-random", "--port", str(self.port), "--max-batch-size", "1",
                  "--queue-size", "1", "--no-warmup"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "MINICPMV_API_KEY": KEY})
+                env={**os.environ, "MINICPMV_API_KEY": KEY}, preexec_fn=interruptible)
 
     def log(self) -> str:
         return self.log_path.read_text()

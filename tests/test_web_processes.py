@@ -23,7 +23,7 @@ from app.messages import MSG_WEB_PROCESS_DOWN
 from app.config import parse_config
 from app.engine.settings import GenerationSettings
 from app.web.proxy import EventsInProgress, MovedSessions, SessionRouter, routing_key, tag, untag
-from tests.conftest import ROOT, free_port, make_image, picture_requests, wait_for
+from tests.conftest import ROOT, free_port, interruptible, make_image, picture_requests, wait_for
 from tests.test_api import FIXED, stream
 from tests import test_browser
 from tests.test_browser import STATS_LINE, ask_about_an_image, open_page, set_max_new_tokens
@@ -45,7 +45,7 @@ class App:
             self.process = subprocess.Popen(
                 [sys.executable, "app.py", "--model", "tiny-random", "--port", str(port), "--web-processes", str(PROCESSES),
                  "--front-processes", str(FRONTS)],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=interruptible)
 
     def log(self) -> str:
         return self.log_path.read_text()
