@@ -111,11 +111,11 @@ def assistant_turn(text: str) -> dict:
 
 # A follow-up's conversation grows by this many turns at most, then starts again from its opening, so that
 # a level's prompts stay near a chat's (about 2,600 tokens at the 4.6 shape, 128 new tokens a turn) however
-# long it runs. A user's first round is cut short by its number (1 to FOLLOW_UP_TURNS turns), so that the
-# users, who open their conversations together, start again at different times, as a chat's users do: each
-# restart is a new prompt for the conversation cache (its opening's state was let go for newer ones) and
-# encodes the image again, and together they made a burst that every reply in flight waited behind (the
-# 50-user level's p95 of about 1 s, LOG.md "Follow-ups' restarts spread out").
+# long it runs. Starting again is a prompt the conversation cache may no longer hold (the opening's state goes
+# first once newer ones fill it), so up to one request in FOLLOW_UP_TURNS encodes its image again. A user's
+# first round is cut short by its number (1 to FOLLOW_UP_TURNS turns), so that the users, who open their
+# conversations together, start again at different times: at once, their image encodings made a burst that
+# every reply in flight waited behind (LOG.md "Follow-ups' restarts spread out").
 FOLLOW_UP_TURNS = 10
 
 
