@@ -64,6 +64,10 @@ def percentile(values: list[float], fraction: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 1)
 
 
+def share(flags: list[bool]) -> float | None:
+    return round(sum(flags) / len(flags), 3) if flags else None
+
+
 def p50_p95(name: str, values: list[float]) -> dict:
     return {f"{name}_p50": percentile(values, 0.5), f"{name}_p95": percentile(values, 0.95)}
 
@@ -127,6 +131,10 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         # much of it an earlier request's state spared.
         **{key: value for name in ("prompt_tokens", "reused_prompt_tokens")
            for key, value in p50_p95(name, [r[4][name] for r in results if r[4].get(name) is not None]).items()},
+        # The share of requests that went on from a kept conversation (a follow-up's restart may not:
+        # benchmarks/workloads.py).
+        "reused_share": share([r[4]["reused_prompt_tokens"] > 0 for r in results
+                               if r[4].get("reused_prompt_tokens") is not None]),
         "opening_s": round(opening_s, 1),  # before the clock: a follow-up's users opening their conversations
         "peak_gpu_gib": round(engine["gpu_memory_peak_bytes"] / 2**30, 2) if engine["gpu_memory_peak_bytes"] else None,
         # Where a request's time to first token went: preprocessing (CPU, waiting for a turn included),
