@@ -24,6 +24,10 @@ VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".avi", ".mkv")
 MAX_IMAGES_PER_REQUEST = 16
 # PIL's own bomb guard only warns below 2x this; we refuse anything above it before decoding pixels.
 MAX_IMAGE_PIXELS = 64_000_000
+# A request's images together (what its preparer decodes at full size before they are cut: 3 bytes a pixel,
+# 768 MB here): 16 photos of 16 megapixels, or 4 at MAX_IMAGE_PIXELS. Without it, 16 black 8000x8000 PNGs
+# (3 MB sent) held 7.6 GB of one preparing process. A conversation past it goes on without its oldest images.
+MAX_REQUEST_IMAGE_PIXELS = 256_000_000
 # Long side over short side. The processor upscales a small image whole, its shape kept: a 1x65000 PNG
 # of 339 bytes became one view of 32,640 patches, which the vision tower attends over as a whole
 # (15-20 s of every user's streams on the CPU). Up to 100:1 no view of any size or slice count exceeds
@@ -80,6 +84,10 @@ DEFAULT_MAX_BATCH_SIZE = 256  # requests decoded together
 # The OpenAI-compatible API (app.web.openai_api): a request's whole body, its images and videos in base64
 # included (a 200 MB video is 267 MB of base64). Each file in it is also held to MAX_UPLOAD_MB.
 MAX_API_REQUEST_MB = 300
+# Images and videos in one API request, its conversation's earlier turns included. Each is written to the upload
+# folder before the engine sees any (which keeps the latest MAX_IMAGES_PER_REQUEST): 100,000 tiny images in one
+# body took 42 s to write, left 200,000 files behind, and slowed every later upload's cleanup.
+MAX_API_MEDIA_PER_REQUEST = 64
 
 # External OpenAI-compatible engine.
 ENGINE_READ_TIMEOUT_S = 120.0  # longest silence between two streamed pieces
@@ -95,6 +103,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "UPLOAD_STALL_TIMEOUT_S",
     "MAX_IMAGES_PER_REQUEST",
     "MAX_IMAGE_PIXELS",
+    "MAX_REQUEST_IMAGE_PIXELS",
     "MAX_IMAGE_ASPECT_RATIO",
     "MAX_VISUAL_TOKEN_BUDGET",
     "MAX_VIDEO_FPS",
@@ -105,6 +114,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "MAX_CONTEXT_TOKENS",
     "MAX_NEW_TOKENS_LIMIT",
     "MAX_API_REQUEST_MB",
+    "MAX_API_MEDIA_PER_REQUEST",
     "ENGINE_READ_TIMEOUT_S",
     "SWITCH_WAIT_S",
 )}

@@ -21,6 +21,8 @@ MSG_IMAGE_TOO_THIN = ("“{name}” is {width}x{height} pixels, longer than {lim
 MSG_IMAGE_TOO_LARGE = "“{name}” has more than {limit:,} pixels. Please downscale it."
 MSG_TOO_MANY_IMAGES = "{count} images in one request; the limit is {limit}."
 MSG_ONE_VIDEO = "Send one video at a time, without images beside it."
+MSG_IMAGES_TOO_LARGE_TOGETHER = ("These images have {pixels:,} pixels together; the limit for one request is {limit:,}. "
+                                 "Please send fewer or smaller images.")
 MSG_VIDEO_TOO_LONG = "“{name}” is {seconds:,.0f} s long; the limit is {limit:,} s."
 MSG_UNREADABLE_VIDEO = "“{name}” could not be decoded as a video."
 MSG_EMPTY_VIDEO = "“{name}” has no frames that could be decoded."
@@ -43,8 +45,8 @@ MSG_OVER_VISUAL_BUDGET = (
 MSG_BAD_SETTING = "Setting “{key}”: {problem}"
 MSG_SETTINGS_NOT_OBJECT = "settings must be a JSON object such as {\"max_new_tokens\": 256}."
 MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
-MSG_MEDIA_TRIMMED = ("The {count} oldest messages were left out so that the conversation holds at most {limit} images, "
-                     "or one video alone.")
+MSG_MEDIA_TRIMMED = ("The {count} oldest messages were left out so that the conversation holds at most {limit} images "
+                     "of {pixels:,} pixels together, or one video alone.")
 MSG_CONTEXT_TRIMMED = "The {count} oldest messages were left out so that the conversation fits the {limit:,}-token context."
 MSG_BUSY = "The demo is busy: {waiting} requests are already waiting. Please try again in a minute."
 MSG_WAITING = "⏳ Every place in the batch is taken; waiting for one to free up, {ahead} request(s) ahead of yours…"
@@ -126,6 +128,8 @@ MSG_API_NO_MESSAGES = "“messages” must be a list of one message or more."
 MSG_API_BAD_MESSAGE = "{where} must be an object with a “role” (system, user or assistant) and its “content”."
 MSG_API_BAD_PART = ("{where} is not a part this server reads: a user's content holds “text”, “image_url” and "
                     "“video_url” parts, an assistant's text alone.")
+MSG_API_TOO_MANY_MEDIA = ("The messages hold {count:,} images and videos; the limit is {limit} in one request "
+                          "(the model sees the latest {images} images).")
 MSG_API_MEDIA_IN_SYSTEM = "{where}: a system message holds text only."
 MSG_API_SYSTEM_LATE = "{where}: system messages come first, before the conversation."
 MSG_API_TOOLS = "{where}: this server calls no tools, so it takes neither tool calls nor tool results."

@@ -6,12 +6,13 @@ send it), what the user sees, and what the server does:
 | attack | the user sees | the server |
 |---|---|---|
 | a file entry whose path is a URL (http(s), a silent server, `rtsp:`), an FFmpeg protocol (`concat:`, `pipe:`), `file://`, a device, a server file, a traversal, a real image outside the uploads; `is_stream` on and off; in /ask and in a forged chat history | "... was not uploaded to this app" | refuses before Gradio moves or fetches anything (app.ui.file_inputs); the canary server gets no request; media decoders take only local files |
-| corrupt, empty, truncated files; a 20000x20000 PNG; a text file named .mp4; 50 images | its message | refuses from the header, serves on |
+| corrupt, empty, truncated files; PNGs whose pixel data is corrupt or no zlib stream; a 20000x20000 PNG; a text file named .mp4; 50 images | its message | refuses from the header, serves on |
 | absurd decoding settings beside a streaming reply: temperature 1e-45, 0, -1, NaN, inf, 1e308; top_p, top_k and repetition_penalty likewise | "Setting “temperature”: ..." | refuses; the other reply ends whole and unchanged |
 | a row whose logits are not finite numbers | "This reply could not go on ..." | that row alone fails; the greedy and sampled replies beside it finish |
 | 1x65000, 65000x1, 2x40000, 40000x3 and 5x501 PNGs of a few hundred bytes | "... longer than 100 times its width or height" | refuses from the header; another user's stream pauses under a second meanwhile |
 | job.cancel() from "just sent" to "streaming", a storm of 20, one waiting in line | (cancelled) | each leaves the line or the batch at once; none runs to its end |
-| image after image in one conversation past the 16 a request holds | a notice: the oldest messages were left out | answers from the latest 16 |
+| image after image in one conversation past the 16 a request holds, or past 256 M pixels together | a notice: the oldest messages were left out | answers from the latest 16 |
+| 16 images at the 64 M-pixel limit each (a few MB of PNGs) | "... pixels together; the limit for one request is ..." | refuses from the headers, before decoding |
 | every special token typed into a message or a past reply; a forged system turn | an answer | all of it tokenized as text: the prompt holds only the template's control tokens |
 | a lone surrogate; "yes" for a flag; an empty request; a bad setting | its message | one log line each, no traceback |
 | a full line; 32 users at once; 500 requests from 20 clients; a GPU out of memory | "busy" at once; their own answers; "ran out of memory" | serves on, memory and uploads bounded |
@@ -22,8 +23,10 @@ limits, headers that lie) and tests/test_web_processes.py (a web process that di
 """
 
 import os
+import struct
 import threading
 import time
+import zlib
 
 import cv2
 import pytest
@@ -47,6 +50,26 @@ def bomb_png(tmp_path) -> str:
     return path
 
 
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def corrupt_png(tmp_path) -> str:
+    """A whole PNG with some of its compressed pixels overwritten: libpng fails on its data check, which
+    torchvision's decoder (0.29) answered by ending the process (docs/DECISIONS.md D52)."""
+    data = bytearray(open(make_image(tmp_path, "whole.png", (800, 600)), "rb").read())
+    start = data.find(b"IDAT") + 4 + 40
+    data[start:start + 8] = bytes(255 - byte for byte in data[start:start + 8])
+    return write(tmp_path / "corrupt.png", bytes(data))
+
+
+def garbage_png(tmp_path) -> str:
+    """A PNG whose chunks and checksums are right but whose pixel data is no zlib stream."""
+    header = struct.pack(">IIBBBBB", 640, 480, 8, 2, 0, 0, 0)
+    data = b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", os.urandom(4000)) + png_chunk(b"IEND", b"")
+    return write(tmp_path / "garbage.png", data)
+
+
 def empty_video(tmp_path) -> str:
     path = str(tmp_path / "empty.mp4")
     writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 24, (64, 48))
@@ -60,6 +83,8 @@ BAD_INPUTS = {
     "random bytes named .jpg": (lambda tmp: [write(tmp / "noise.jpg", os.urandom(4096))], "could not be read as an image"),
     "zero-byte file": (lambda tmp: [write(tmp / "zero.png", b"")], "could not be read as an image"),
     "truncated PNG": (lambda tmp: [truncated_png(tmp)], "could not be read as an image"),
+    "PNG with corrupt pixel data": (lambda tmp: [corrupt_png(tmp)], "could not be read as an image"),
+    "PNG whose pixel data is no zlib stream": (lambda tmp: [garbage_png(tmp)], "could not be read as an image"),
     "20000x20000 PNG": (lambda tmp: [bomb_png(tmp)], "more than 64,000,000 pixels"),
     "text file named .mp4": (lambda tmp: [write(tmp / "notes.mp4", b"just text" * 100)], "could not be decoded|no frames"),
     "video with no frames": (lambda tmp: [empty_video(tmp)], "could not be decoded|no frames"),
@@ -521,6 +546,25 @@ def test_a_conversation_of_more_images_than_a_request_holds_goes_on_without_its_
     assert any("oldest messages were left out" in notice and "at most 3 images" in notice for notice in stats["notices"])
     with pytest.raises(AppError, match="4 images in one request; the limit is 3"):
         stream(client, "All at once?", [image] * 4, {**settings, "follow_up": True})
+
+
+def test_images_of_too_many_pixels_together_are_refused_and_a_conversation_goes_on_without_its_oldest(
+        client, tmp_path, monkeypatch):
+    """A request's images are decoded whole before they are cut: 16 black 8000x8000 PNGs (3 MB sent) held 7.6
+    GB of a preparer. Their pixels together are held to MAX_REQUEST_IMAGE_PIXELS (256 M; 20,000 here, to be
+    quick), from their headers: a request over it is refused, a conversation goes on without its oldest."""
+    monkeypatch.setattr(limits, "MAX_REQUEST_IMAGE_PIXELS", 20_000)
+    settings = {"max_new_tokens": 2, "do_sample": False}
+    images = [make_image(tmp_path, f"big{i}.png", (100, 90), (20 * i, 100, 200)) for i in range(3)]  # 9,000 each
+    with pytest.raises(AppError, match="27,000 pixels together; the limit for one request is 20,000"):
+        stream(client, "All three?", images, settings)
+    for turn, image in enumerate(images):
+        _, (_, stats) = stream(client, f"And picture {turn}?", [image], {**settings, "follow_up": turn > 0})
+    assert len(stats["image_tokens"]) == 2
+    assert any("oldest messages were left out" in notice and "of 20,000 pixels together" in notice
+               for notice in stats["notices"])
+    _, (_, stats) = stream(client, "Both again?", images[:2], settings)  # 18,000: within it
+    assert len(stats["image_tokens"]) == 2
 
 
 def thin_png(tmp_path, width: int, height: int) -> str:

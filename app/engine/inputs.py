@@ -9,6 +9,7 @@ from app.messages import (
     MSG_CONTEXT_TOO_LONG,
     MSG_CONTEXT_TRIMMED,
     MSG_EMPTY_REQUEST,
+    MSG_IMAGES_TOO_LARGE_TOGETHER,
     MSG_MEDIA_TRIMMED,
     MSG_NOT_TEXT,
     MSG_ONE_VIDEO,
@@ -218,7 +219,8 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     images: dict[str, object] = {}  # path -> decoded pixels, kept across trimming attempts
     system = messages[:1] if messages[0]["role"] == "system" else []  # kept whatever is left out
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
-    media_start = next((start for start in turn_starts if _media_fit(messages[start:])), turn_starts[-1])
+    sizes: dict[str, tuple[int, int]] = {}  # path -> (height, width), from its header, kept across the starts
+    media_start = next((start for start in turn_starts if _media_fit(messages[start:], sizes)), turn_starts[-1])
     starts = turn_starts[turn_starts.index(media_start):]
     tried: dict[int, tuple[PreparedInputs, int]] = {}  # an index of `starts` -> (its inputs, tokens they need)
 
@@ -245,7 +247,8 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     if start > media_start:
         prepared.notices.insert(0, MSG_CONTEXT_TRIMMED.format(count=left_out, limit=max_context_tokens))
     elif left_out:
-        prepared.notices.insert(0, MSG_MEDIA_TRIMMED.format(count=left_out, limit=limits.MAX_IMAGES_PER_REQUEST))
+        prepared.notices.insert(0, MSG_MEDIA_TRIMMED.format(count=left_out, limit=limits.MAX_IMAGES_PER_REQUEST,
+                                                            pixels=limits.MAX_REQUEST_IMAGE_PIXELS))
     for key in PIXEL_KEYS if pixel_dtype is not None else ():
         pixels = prepared.tensors.get(key)
         if pixels is not None and pixels.is_floating_point():
@@ -279,10 +282,21 @@ def canvas_positions(model, tensors: dict, downsample_mode: str) -> tuple | None
     return positions[:, 0], int(deltas[0, 0])
 
 
-def _media_fit(messages: list[dict]) -> bool:
-    """Whether one request may hold these messages' media: up to MAX_IMAGES_PER_REQUEST images, or one video alone."""
+def _media_fit(messages: list[dict], sizes: dict) -> bool:
+    """Whether one request may hold these messages' media: up to MAX_IMAGES_PER_REQUEST images of up to
+    MAX_REQUEST_IMAGE_PIXELS together, or one video alone. `sizes` caches the images' sizes by path."""
     image_paths, video_paths = _media_paths(messages, "image"), _media_paths(messages, "video")
-    return len(image_paths) <= limits.MAX_IMAGES_PER_REQUEST and (not video_paths or (len(video_paths) == 1 and not image_paths))
+    if video_paths:
+        return len(video_paths) == 1 and not image_paths
+    return len(image_paths) <= limits.MAX_IMAGES_PER_REQUEST and _pixels(image_paths, sizes) <= limits.MAX_REQUEST_IMAGE_PIXELS
+
+
+def _pixels(paths: list[str], sizes: dict) -> int:
+    """The images' pixels together, from their headers (an image sent twice counts once: it is decoded once)."""
+    for path in paths:
+        if path not in sizes:
+            sizes[path] = image_size(path)
+    return sum(height * width for height, width in (sizes[path] for path in set(paths)))
 
 
 def _video_kwargs(video, settings: GenerationSettings) -> dict:
@@ -348,10 +362,14 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
              jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
     image_paths = _media_paths(messages, "image")
     video_paths = _media_paths(messages, "video")
-    if not _media_fit(messages):
+    sizes: dict[str, tuple[int, int]] = {}
+    if not _media_fit(messages, sizes):
+        if video_paths:
+            raise UserError(MSG_ONE_VIDEO)
         if len(image_paths) > limits.MAX_IMAGES_PER_REQUEST:
             raise UserError(MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
-        raise UserError(MSG_ONE_VIDEO)
+        raise UserError(MSG_IMAGES_TOO_LARGE_TOGETHER.format(pixels=_pixels(image_paths, sizes),
+                                                             limit=limits.MAX_REQUEST_IMAGE_PIXELS))
 
     left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media)
     on_device = jpegs_on_device and defers_jpegs(processor)  # the engine makes the slices (D43)

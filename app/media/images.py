@@ -12,18 +12,33 @@ from app.messages import MSG_IMAGE_TOO_LARGE, MSG_IMAGE_TOO_THIN, MSG_UNREADABLE
 from app.errors import UserError
 from app.media.files import check_local_file
 
-# Decoded by torchvision (libjpeg-turbo, libpng) straight into the tensor the image processor takes:
-# 28.6 ms against PIL's 43.2 for the 1344x1344 noise PNG on the dev machine (about even on an H200 box's
-# cores), and no PIL image to convert (docs/DECISIONS.md D11).
-_TENSOR_DECODED_FORMATS = ("JPEG", "PNG")
+# Decoded by torchvision (libjpeg-turbo) straight into the tensor the image processor takes, with no PIL image
+# to convert (docs/DECISIONS.md D11). Not PNG: torchvision's libpng decoder ends the whole process on a
+# corrupt PNG rather than raising (D52). A PNG of 8-bit RGB, with nothing to turn or make transparent, is
+# decoded by OpenCV (26 ms for the 1344x1344 noise PNG on the dev machine, PIL 38); any other by PIL.
+_TENSOR_DECODED_FORMATS = ("JPEG",)
+_PNG_RGB8 = (8, 2)  # IHDR's bit depth and colour type
+WHITE = (255, 255, 255, 255)
 
 
 def load_image(path: str) -> Image.Image:
-    """The image as an upright RGB PIL image."""
+    """The image as an upright RGB PIL image, what is transparent in it on white."""
     with _opened(path) as image:
         image.load()
-        upright = ImageOps.exif_transpose(image)
-        return upright.convert("RGB")
+        return _rgb_on_white(ImageOps.exif_transpose(image))
+
+
+def _rgb_on_white(image: Image.Image) -> Image.Image:
+    """RGB, a transparent image laid on white as a page shows it: dropping its alpha turns what is
+    transparent into whatever colour lies under it, most often black (black text on a transparent
+    background became a black square). docs/DECISIONS.md D52."""
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        try:
+            with_alpha = image.convert("RGBA")
+        except ValueError:  # a mode PIL cannot give an alpha (16-bit grey with a transparent value): as it is
+            return image.convert("RGB")
+        return Image.alpha_composite(Image.new("RGBA", image.size, WHITE), with_alpha).convert("RGB")
+    return image.convert("RGB")
 
 
 # EXIF orientations that turn the image a quarter (transposed, rotated 90 or 270 degrees, transversed).
@@ -42,7 +57,7 @@ def load_thumbnail(path: str, longest_side: int) -> Image.Image:
     of their size: a preview costs the web process little)."""
     with _opened(path) as image:
         image.draft("RGB", (longest_side, longest_side))
-        upright = ImageOps.exif_transpose(image).convert("RGB")
+        upright = _rgb_on_white(ImageOps.exif_transpose(image))
     upright.thumbnail((longest_side, longest_side))
     return upright
 
@@ -57,9 +72,12 @@ def check_image(path: str) -> None:
 
 def load_image_pixels(path: str):
     """The image as an upright RGB uint8 tensor [3, height, width], as load_image's pixels, faster for
-    JPEG and PNG. Other formats, and PNGs of 16 bits a channel, go through PIL."""
+    JPEG. Other formats go through PIL."""
     with _opened(path) as image:
         image_format = image.format
+        plain_png = image_format == "PNG" and "transparency" not in image.info and _upright(image)
+    if plain_png and _png_header(path) == _PNG_RGB8:
+        return _rgb_png_pixels(path)
     decode = _tensor_decoder()
     if image_format in _TENSOR_DECODED_FORMATS and decode is not None:
         try:
@@ -71,6 +89,30 @@ def load_image_pixels(path: str):
     from torchvision.transforms.functional import pil_to_tensor
 
     return pil_to_tensor(load_image(path))
+
+
+def _upright(image: Image.Image) -> bool:
+    return image.getexif().get(ExifTags.Base.Orientation, 1) == 1
+
+
+def _png_header(path: str) -> tuple[int, int]:
+    """A PNG's (bit depth, colour type), from its IHDR chunk (first, at a fixed place)."""
+    with open(path, "rb") as file:
+        header = file.read(26)
+    return header[24], header[25]
+
+
+def _rgb_png_pixels(path: str):
+    """An 8-bit RGB PNG's pixels [3, height, width] (lossless: any sound decoder gives the same); OpenCV's
+    libpng refuses a corrupt one with None."""
+    import cv2
+    import numpy as np
+    import torch
+
+    bgr = cv2.imdecode(np.fromfile(path, np.uint8), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+    if bgr is None:
+        raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
+    return torch.from_numpy(np.ascontiguousarray(bgr.transpose(2, 0, 1)[::-1]))
 
 
 # What the engine's GPU decoder (app.model.jpegs, nvJPEG) decodes as load_image_pixels does: the JPEGs whose
@@ -89,7 +131,7 @@ def jpeg_for_the_device(path: str) -> tuple[int, int] | None:
             return None
         if tuple(layer[0] for layer in getattr(image, "layer", ())) == _RGB_COMPONENT_IDS:
             return None
-        if image.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9):
+        if not _upright(image):
             return None
         size = (image.height, image.width)
     with open(path, "rb") as file:

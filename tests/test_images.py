@@ -1,0 +1,89 @@
+"""Loading an uploaded image (app.media.images): what is transparent lands on white, as a page shows it,
+the same way for the model's pixels and the previews; each kind of PNG gives PIL's pixels, whichever decoder
+reads it; a PNG broken past its header is refused, not fatal (docs/DECISIONS.md D52)."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from app.errors import UserError
+from app.media.images import load_image, load_image_pixels, load_thumbnail
+from tests.test_hardening import corrupt_png, garbage_png
+
+
+def black_text_on_transparent(mode: str) -> Image.Image:
+    """A 64x48 image, transparent but for a black bar, in `mode`."""
+    image = Image.new("RGBA", (64, 48), (0, 0, 0, 0))
+    image.paste((0, 0, 0, 255), (8, 20, 56, 28))
+    if mode == "P":
+        paletted = Image.new("P", image.size, 0)
+        paletted.putpalette([0, 0, 0, 0, 0, 0])
+        paletted.paste(1, (8, 20, 56, 28))
+        paletted.info["transparency"] = 0
+        return paletted
+    return image.convert(mode)
+
+
+@pytest.mark.parametrize("mode, extension", [("RGBA", "png"), ("LA", "png"), ("P", "png"), ("RGBA", "webp"), ("P", "gif")])
+def test_what_is_transparent_lands_on_white(tmp_path, mode, extension):
+    path = str(tmp_path / f"text.{extension}")
+    image = black_text_on_transparent(mode)
+    image.save(path, **({"lossless": True} if extension == "webp" else {}),
+               **({"transparency": 0} if mode == "P" else {}))
+    pixels = load_image_pixels(path)
+    assert pixels.shape == (3, 48, 64) and pixels.dtype == torch.uint8
+    assert pixels[:, 0, 0].tolist() == [255, 255, 255]  # the background, once transparent
+    assert pixels[:, 24, 32].tolist() == [0, 0, 0]  # the bar
+    assert torch.equal(pixels, torch.from_numpy(np.array(load_image(path))).permute(2, 0, 1))
+    assert load_thumbnail(path, 32).getpixel((0, 0)) == (255, 255, 255)  # the preview shows what the model gets
+
+
+def test_half_transparent_pixels_are_blended_with_white(tmp_path):
+    path = str(tmp_path / "half.png")
+    Image.new("RGBA", (4, 4), (0, 0, 200, 128)).save(path)
+    red, green, blue = load_image_pixels(path)[:, 0, 0].tolist()
+    assert red == green and abs(red - 127) <= 1 and abs(blue - 227) <= 1
+
+
+def test_an_opaque_png_is_decoded_as_it_was(tmp_path):
+    path = str(tmp_path / "opaque.png")
+    noise = np.random.default_rng(0).integers(0, 256, (40, 30, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(path)
+    assert torch.equal(load_image_pixels(path), torch.from_numpy(noise).permute(2, 0, 1))
+
+
+def test_every_kind_of_png_gives_what_pil_gives(tmp_path):
+    """8-bit RGB PNGs are decoded by OpenCV, every other kind by PIL: each as load_image's pixels."""
+    noise = np.random.default_rng(1).integers(0, 256, (30, 50, 3), dtype=np.uint8)
+    turned = Image.fromarray(noise)
+    exif = turned.getexif()
+    exif[0x0112] = 6  # turned a quarter: the image is shown upright, 30 wide
+    kinds = {"rgb": Image.fromarray(noise), "grey": Image.fromarray(noise[..., 0]), "rgb16": None, "turned": turned}
+    for name, image in kinds.items():
+        path = str(tmp_path / f"{name}.png")
+        if name == "rgb16":
+            import cv2
+
+            cv2.imwrite(path, noise.astype(np.uint16) * 257)
+        else:
+            image.save(path, **({"exif": exif} if name == "turned" else {}))
+        expected = torch.from_numpy(np.array(load_image(path))).permute(2, 0, 1)
+        assert torch.equal(load_image_pixels(path), expected), name
+    assert load_image_pixels(str(tmp_path / "turned.png")).shape == (3, 50, 30)
+
+
+def corrupt_rgba_png(tmp_path) -> str:
+    path = str(tmp_path / "rgba.png")
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (60, 80, 4), dtype=np.uint8)).save(path)
+    data = bytearray(open(path, "rb").read())
+    start = data.find(b"IDAT") + 4 + 40
+    data[start:start + 8] = bytes(255 - byte for byte in data[start:start + 8])
+    open(path, "wb").write(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("broken", [corrupt_png, garbage_png, corrupt_rgba_png])
+def test_a_png_broken_past_its_header_is_refused(tmp_path, broken):
+    with pytest.raises(UserError, match="could not be read as an image"):
+        load_image_pixels(broken(tmp_path))
