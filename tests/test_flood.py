@@ -178,17 +178,28 @@ def test_the_folder_stays_under_its_cap_oldest_first(server):
 
 def test_cap_total_size_spares_kept_files_and_uploads_coming_in(tmp_path):
     folder = tmp_path / "uploads"
-    paths = []
-    for i, name in enumerate(("example/a.jpg", "h1/old.png", ".upload-x/part", "h2/.copy.png", "h3/new.png")):
+    paths, now = [], time.time()
+    names = ("example/a.jpg", "h0/.stale.png", "h1/old.png", ".upload-x/part", "h2/.copy.png", "h3/new.png")
+    for i, name in enumerate(names):
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * 1000)
-        os.utime(path, ns=(i * 10**9, i * 10**9))
+        made = now - 100 + i if name != "h2/.copy.png" else now  # the copy on its way into place is young
+        os.utime(path, (made, made))
         paths.append(str(path))
-    assert cap_total_size(str(folder), 3000, keep={paths[0]}) == 1
-    assert [os.path.exists(path) for path in paths] == [True, False, True, True, True]
-    assert cap_total_size(str(folder), 0, keep={paths[0]}) == 1  # never the kept, a dot-file or one coming in
-    assert [os.path.exists(path) for path in paths] == [True, False, True, True, False]
+    assert cap_total_size(str(folder), 3000, keep={paths[0]}) == 2  # an old dot-file is no copy: it goes
+    assert [os.path.exists(path) for path in paths] == [True, False, False, True, True, True]
+    assert cap_total_size(str(folder), 0, keep={paths[0]}) == 1  # never the kept, a young dot-file or one coming in
+    assert [os.path.exists(path) for path in paths] == [True, False, False, True, True, False]
+
+
+def test_an_upload_named_as_a_dot_file_is_stored_without_the_dots(server):
+    # Else it would pass for Gradio's copy on its way into place, which the folder's cap spares.
+    response = httpx.post(server.url + "gradio_api/upload", files={"files": ("..hidden.png", b"x" * 100)})
+    assert response.status_code == 200
+    stored = response.json()[0]
+    assert os.path.basename(stored) == "hidden.png" and os.path.exists(stored)
+    assert os.path.dirname(stored).startswith(server.folder)
 
 
 def test_many_uploads_at_once_all_land(server):

@@ -35,6 +35,8 @@ STAGING_PREFIX = ".upload-"  # an upload's own folder while it comes in; the jan
 # their own folders, such an empty file at the top of the upload folder is only ever gr.File's.
 _STRAY_TEMP_FILE = re.compile(r"tmp[a-z0-9_]{8}")
 SWEEP_EVERY_S = 1.0  # how often the janitor looks for gr.File's empty files (the top folder only: cheap)
+# A dot-file this young is taken for Gradio's copy of a file on its way into place, and not evicted.
+STAGING_GRACE_S = 60.0
 CAP_CHECK_GAP_S = 0.5  # at least this long between two walks of the folder while uploads keep coming
 
 
@@ -86,7 +88,7 @@ def remove_stray_temp_files(folder: str) -> int:
 def cap_total_size(folder: str, max_bytes: int, keep: set[str]) -> int:
     """Delete the oldest files in `folder` (by modification time; never `keep`, nor uploads still coming
     in) until all of them together take at most `max_bytes`; the number deleted."""
-    total, candidates = 0, []
+    total, candidates, now = 0, [], time.time()
     for root, dirs, names in os.walk(folder):
         dirs[:] = [name for name in dirs if not name.startswith(STAGING_PREFIX)]
         for name in names:
@@ -96,8 +98,10 @@ def cap_total_size(folder: str, max_bytes: int, keep: set[str]) -> int:
             except OSError:
                 continue
             total += status.st_size
-            # A dot-file is Gradio's copy on its way into place (processing_utils writes one, then renames it).
-            if path not in keep and not name.startswith("."):
+            # A young dot-file is Gradio's copy on its way into place (processing_utils writes one, then
+            # renames it); no upload is stored under such a name (_into_place).
+            staging = name.startswith(".") and now - status.st_mtime < STAGING_GRACE_S
+            if path not in keep and not staging:
                 candidates.append((status.st_mtime_ns, path, status.st_size))
     removed = 0
     for _, path, size in sorted(candidates):
@@ -214,8 +218,11 @@ def giving_up_on_stalls(request):
 
 
 def _into_place(path: str, staging: str, folder: str) -> str:
-    """Move a file parsed into `staging` to the same place under `folder`."""
-    destination = os.path.join(folder, os.path.relpath(path, staging))
+    """Move a file parsed into `staging` to the same place under `folder`, its name without leading dots: a
+    dot-file there is Gradio's copy on its way into place, which cap_total_size spares while it is young."""
+    relative = os.path.relpath(path, staging)
+    name = os.path.basename(relative).lstrip(".") or "upload"
+    destination = os.path.join(folder, os.path.dirname(relative), name)
     os.makedirs(os.path.dirname(destination), exist_ok=True)
     try:
         os.replace(path, destination)
