@@ -204,6 +204,10 @@ def test_media_limits_are_the_uis(api, tmp_path):
     ({"max_tokens": 0}, "Setting “max_tokens”: must be between 1 and"),
     ({"max_tokens": limits.MAX_NEW_TOKENS_LIMIT + 1}, "Setting “max_tokens”: must be between 1 and"),
     ({"max_tokens": 10, "max_completion_tokens": 12}, "differ"),
+    ({"max_tokens": [10]}, "“max_tokens” must be an integer"),
+    ({"max_completion_tokens": {"n": 10}}, "“max_completion_tokens” must be an integer"),
+    ({"max_tokens": 10.5}, "“max_tokens” must be an integer"),
+    ({"max_tokens": True}, "“max_tokens” must be an integer"),
     ({"temperature": "warm"}, "“temperature” must be a number"),
     ({"temperature": -1}, "Setting “temperature”: must be between 0.0 and 5.0, got -1"),
     ({"top_p": 0}, "Setting “top_p”: must be above 0"),
@@ -240,6 +244,12 @@ def test_bad_conversations_are_refused_clearly(api, messages, message):
         api.chat.completions.create(model="tiny-random", messages=messages, max_tokens=4)
 
 
+def files_in_the_upload_folder() -> set[str]:
+    from gradio.utils import get_upload_folder
+
+    return {os.path.join(root, name) for root, _, names in os.walk(get_upload_folder()) for name in names}
+
+
 def test_other_models_paths_and_bodies_get_openais_error_shape(api, server_url, monkeypatch):
     with pytest.raises(openai.NotFoundError, match="“gpt-4o” is not served here; this server serves “tiny-random”"):
         api.chat.completions.create(model="gpt-4o", messages=said("Hi"))
@@ -254,6 +264,14 @@ def test_other_models_paths_and_bodies_get_openais_error_shape(api, server_url, 
     lone_surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'  # JSON carries it, no tokenizer takes it
     response = httpx.post(base + "/chat/completions", content=lone_surrogate, timeout=30)
     assert response.status_code == 400 and "not valid text" in response.json()["error"]["message"]
+    for repeated in (b'{"model": "x\\ud800", "messages": []}', b'{"zeal\\ud800": 1, "messages": []}'):
+        response = httpx.post(base + "/chat/completions", content=repeated, timeout=30)  # its error repeats it
+        assert response.status_code in (400, 404) and "\ud800" in response.json()["error"]["message"]
+    many = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * (limits.MAX_API_MEDIA_PER_REQUEST + 1)
+    uploads = files_in_the_upload_folder()
+    response = httpx.post(base + "/chat/completions", json={"messages": [{"role": "user", "content": many}]}, timeout=30)
+    assert response.status_code == 400 and "65 images and videos; the limit is 64" in response.json()["error"]["message"]
+    assert files_in_the_upload_folder() <= uploads  # refused before any was stored
     monkeypatch.setattr(limits, "MAX_API_REQUEST_MB", 1)
     big = json.dumps({"model": "tiny-random", "messages": said("x" * (2 * 2**20))})
     response = httpx.post(base + "/chat/completions", content=big, timeout=30)

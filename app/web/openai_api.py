@@ -7,7 +7,6 @@ a streaming handler. A client that goes away sets the reply's StopSignal: the re
 the batch at the next decode step. The key is checked before any of this, by app.web.guard.
 """
 
-import json
 import logging
 import time
 
@@ -22,7 +21,7 @@ from app.errors import NotReady, UserError
 from app.messages import (MSG_API_BODY_BROKE_OFF, MSG_API_BODY_TOO_LARGE, MSG_API_MODEL_NOT_FOUND, MSG_API_NOT_FOUND,
                           MSG_API_NOT_READY)
 from app.web.data_urls import DataUrlFiles, lift_data_urls
-from app.web.openai_errors import API_ROOT, ApiError
+from app.web.openai_errors import API_ROOT, ApiError, json_bytes
 from app.web.openai_reply import DONE, Reply, error_event
 from app.web.openai_request import ChatRequest, chat_request, parse_json
 from app.web.uploads import giving_up_on_stalls
@@ -206,7 +205,7 @@ async def _send_error(send, error: ApiError) -> None:
 
 
 async def _send_json(send, status: int, body: dict, headers: dict | None = None) -> None:
-    data = json.dumps(body, ensure_ascii=False).encode()
+    data = json_bytes(body)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     raw += [(name.lower().encode(), value.encode()) for name, value in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

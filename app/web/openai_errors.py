@@ -40,8 +40,14 @@ class ApiError(Exception):
         return {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
 
     def response(self) -> Response:
-        return Response(json.dumps(self.body(), ensure_ascii=False), status_code=self.status, headers=self.headers(),
+        return Response(json_bytes(self.body()), status_code=self.status, headers=self.headers(),
                         media_type="application/json")
+
+
+def json_bytes(data, **dumps) -> bytes:
+    """`data` as UTF-8 JSON. A lone surrogate, which a request's text may hold and an error may repeat, has no
+    UTF-8 form: it is written as JSON's \\u escape (encoding it failed, and the answer was a bare 500)."""
+    return json.dumps(data, ensure_ascii=False, **dumps).encode("utf-8", "backslashreplace")
 
 
 def is_api_path(path: str) -> bool:

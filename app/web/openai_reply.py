@@ -2,12 +2,12 @@
 (server-sent events), with reasoning apart from the answer as vLLM's reasoning parsers give it
 (`reasoning_content`), the finish reason and the usage (with the visual tokens as a field of its own)."""
 
-import json
 import time
 import uuid
 
 from app.chat import THINK_CLOSE, THINK_OPEN, reply_text
 from app.engine.api import ReplyUpdate
+from app.web.openai_errors import json_bytes
 
 
 def split_reasoning(text: str, finished: bool) -> tuple[str, str]:
@@ -98,7 +98,7 @@ class Reply:
 
 
 def _event(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_bytes(data, separators=(",", ":")) + b"\n\n"
 
 
 def error_event(body: dict) -> bytes:

@@ -26,6 +26,7 @@ from app.messages import (
     MSG_API_MEDIA_IN_SYSTEM,
     MSG_API_NO_MESSAGES,
     MSG_API_SYSTEM_LATE,
+    MSG_API_TOO_MANY_MEDIA,
     MSG_API_TOOLS,
     MSG_API_UNKNOWN_FIELDS,
     MSG_API_WRONG_TYPE,
@@ -102,7 +103,7 @@ def _settings(body: dict, defaults: GenerationSettings) -> GenerationSettings:
     overrides = {key: body[name] for name, key in SETTINGS.items() if body.get(name) is not None}
     if overrides.get("top_k") == -1:  # vLLM's older spelling of "no top-k"
         overrides["top_k"] = 0
-    lengths = {body.get(name) for name in ("max_tokens", "max_completion_tokens")} - {None}
+    lengths = {_typed(body, name, int, None) for name in ("max_tokens", "max_completion_tokens")} - {None}
     if len(lengths) > 1:
         raise ApiError(400, MSG_API_MAX_TOKENS_DIFFER, param="max_tokens")
     if lengths:
@@ -136,6 +137,7 @@ def model_messages(messages, store_media) -> list[dict]:
     user turns with their text, images and videos in order, assistant turns as text (reasoning left out)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, MSG_API_NO_MESSAGES, param="messages")
+    _check_media_count(messages)
     system, converted = [], []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -165,6 +167,15 @@ def model_messages(messages, store_media) -> list[dict]:
         text = "\n\n".join(part["text"] for part in system)
         converted.insert(0, {"role": "system", "content": [{"type": "text", "text": text}]})
     return converted
+
+
+def _check_media_count(messages: list) -> None:
+    """Refuse more than MAX_API_MEDIA_PER_REQUEST images and videos before any is stored."""
+    count = sum(1 for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+                for part in message["content"] if isinstance(part, dict) and part.get("type") in ("image_url", "video_url"))
+    if count > limits.MAX_API_MEDIA_PER_REQUEST:
+        raise ApiError(400, MSG_API_TOO_MANY_MEDIA.format(count=count, limit=limits.MAX_API_MEDIA_PER_REQUEST,
+                                                          images=limits.MAX_IMAGES_PER_REQUEST), param="messages")
 
 
 def _parts(content, where: str) -> list:
@@ -208,11 +219,12 @@ def _user_parts(content, where: str, store_media) -> list[dict]:
 
 
 def _typed(values: dict, name: str, kind: type, default):
+    """values[name] (`kind`: bool or int), or `default` where it is missing or null."""
     value = values.get(name)
     if value is None:
         return default
-    if not isinstance(value, kind):
-        raise ApiError(400, MSG_API_WRONG_TYPE.format(name=name, kind="true or false" if kind is bool else kind.__name__),
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ApiError(400, MSG_API_WRONG_TYPE.format(name=name, kind="true or false" if kind is bool else "an integer"),
                        param=name)
     return value
 
