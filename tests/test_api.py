@@ -50,6 +50,14 @@ def test_the_readme_scripting_example_runs_as_written(server_url, monkeypatch):
     assert "'visual_tokens'" in printed.getvalue() and "'ttft_ms'" in printed.getvalue()
 
 
+def test_the_api_page_names_asks_inputs_and_a_call_by_name_runs(client, red_image):
+    info = client.view_api(return_format="dict", print_info=False)
+    assert [p["parameter_name"] for p in info["named_endpoints"]["/ask"]["parameters"]] == ["text", "files", "settings"]
+    _, stats = client.predict(text="What is this?", files=[handle_file(red_image)], settings={"max_new_tokens": 2},
+                              api_name="/ask")
+    assert stats["new_tokens"] == 2 and stats["visual_tokens"] == 640
+
+
 def test_several_images_keep_their_order_and_cost(client, tmp_path):
     paths = [make_image(tmp_path, "a.png"), make_image(tmp_path, "b.png", (448, 448)),
              make_image(tmp_path, "c.png", (1920, 1080))]

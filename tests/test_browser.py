@@ -207,6 +207,25 @@ def test_stop_button_halts_generation(page, manager):
     page.screenshot(path=os.path.join(ARTIFACTS, "stopped.png"), full_page=True)
 
 
+def test_clearing_the_chat_mid_reply_ends_the_reply_and_it_stays_clear(browser, server_url, manager):
+    page = open_page(browser, server_url)
+    try:
+        set_max_new_tokens(page, 4000)
+        assert wait_for(lambda: manager.active_generations == 0, 30)
+        question = "Tell me a very long story."
+        page.locator("#chat-input textarea").fill(question)
+        page.locator("#chat-input textarea").press("Enter")
+        assert wait_for(lambda: reply_after(page, question).strip(), 60), "no part of the reply reached the page"
+        page.locator("#chat").get_by_label("Clear").click()
+        assert wait_for(lambda: manager.active_generations == 0, 30), "the cleared reply stayed in the batch"
+        page.wait_for_timeout(1000)
+        assert question not in chat_text(page)  # nothing of it came back
+        send, stop = page.locator("#chat-input .submit-button"), page.locator("#chat-input .stop-button")
+        assert wait_for(lambda: (send.count(), stop.count()) == (1, 0), 10)  # ready for the next question
+    finally:
+        page.close()
+
+
 def test_closing_the_tab_stops_generation(browser, server_url, manager):
     page = open_page(browser, server_url)
     set_max_new_tokens(page, 4000)
@@ -405,6 +424,27 @@ def test_the_multi_image_highlight_follows_the_image_it_moves(browser, server_ur
     page.get_by_role("button", name="✕ Remove").click()
     assert wait_for(lambda: shown() == names[:2], 20), shown()
     page.close()
+
+
+def test_deleting_an_image_with_the_gallerys_own_x_starts_a_new_conversation(browser, server_url, tmp_path):
+    """The gallery's x on a thumbnail, like Remove: the conversation about the images it held is gone, so the
+    next question is about the images the page shows (a follow-up took its images from the first turn)."""
+    page = open_page(browser, server_url)
+    try:
+        paths = [make_image(tmp_path, f"pair{i}.png", (300, 200), colour) for i, colour in enumerate([(200, 30, 30), (30, 30, 200)])]
+        page.get_by_role("tab", name="Multi-image").click()
+        page.locator("#multi-gallery input[type=file]").set_input_files(paths)
+        grid = page.locator("#multi-gallery .thumbnail-item.thumbnail-lg img")
+        assert wait_for(lambda: grid.count() == 2, 20)
+        box = page.locator("#multi-input textarea")
+        box.fill("Compare them.")
+        box.press("Enter")
+        page.locator("#multi-chat").get_by_text(STATS_LINE).wait_for(timeout=60_000)
+        page.locator("#multi-gallery").get_by_label("Delete image").first.click()
+        assert wait_for(lambda: grid.count() == 1, 20)
+        assert wait_for(lambda: "Compare them." not in page.locator("#multi-chat").inner_text(), 20)
+    finally:
+        page.close()
 
 
 def set_max_slices(page, value: int) -> None:

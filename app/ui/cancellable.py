@@ -1,6 +1,7 @@
 """Streaming handlers that a cancel ends at once, whatever they are doing."""
 
 import contextlib
+import inspect
 import threading
 
 import anyio
@@ -18,7 +19,7 @@ class StopControl:
     handler where it is, with nothing more said: reasoning cut off stayed "thinking" on the page."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._running: dict[str, set[StopSignal]] = {}
 
     def started(self, session: str | None, stop: StopSignal) -> None:
@@ -32,6 +33,7 @@ class StopControl:
             stops.discard(stop)
             if not stops:
                 self._running.pop(session, None)
+                self._lock.notify_all()
 
     def stop(self, request: gr.Request) -> None:
         """The Stop event's function: ends the replies of the session that clicked it."""
@@ -39,6 +41,12 @@ class StopControl:
             stops = list(self._running.get(request.session_hash, ()))
         for stop in stops:
             stop.set()
+
+    def stop_and_wait(self, request: gr.Request, timeout: float) -> None:
+        """Stop, then wait (up to `timeout` s) until those replies' handlers have sent their last update."""
+        self.stop(request)
+        with self._lock:
+            self._lock.wait_for(lambda: request.session_hash not in self._running, timeout)
 
 
 def cancellable(handler, blocks, control: StopControl | None = None):
@@ -73,7 +81,16 @@ def cancellable(handler, blocks, control: StopControl | None = None):
                 updates.close()
 
     run.__name__ = handler.__name__  # an event's default api_name
+    run.__signature__ = _as_gradio_reads_it(handler)
     return run
+
+
+def _as_gradio_reads_it(handler) -> inspect.Signature:
+    """run's signature for Gradio: the request it fills in, then `handler`'s own parameters but `stop`, so that
+    the API page and gradio_client name the inputs (text, files, ...) rather than param_0, param_1."""
+    own = [parameter for parameter in inspect.signature(handler).parameters.values() if parameter.name != "stop"]
+    request = inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=gr.Request)
+    return inspect.Signature([request, *own])
 
 
 def cancel_on_reset_route(blocks):

@@ -15,7 +15,7 @@ from app.ui.file_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, model_header, settings_dict
 from app.ui.panels import LABEL_SETTINGS_TOGGLE, below_the_tabs, reply_controls, settings_sidebar
 from app.ui.previews import Previews, ShownVideo
-from app.ui.replying import MODEL_EVENTS, streaming, wire_answer, wire_question, wire_stop
+from app.ui.replying import MODEL_EVENTS, streaming, wire_answer, wire_clear, wire_question, wire_stop
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
 EXAMPLES = os.path.join(ASSETS, "examples")
@@ -187,9 +187,10 @@ def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     asked = wire_question(wiring, tab.box, handlers.add_chat_message, [tab.box, tab.camera, chat],
                            [chat, tab.box, tab.camera], control)
     retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
-    wire_stop(tab.box, chat, control, [asked, wire_answer(wiring, retried, chat, tab.box, control)])
+    answers = [asked, wire_answer(wiring, retried, chat, tab.box, control)]
+    wire_stop(tab.box, chat, control, answers)
     chat.undo(handlers.undo, [chat], [chat, tab.box], api_visibility="undocumented")
-    chat.clear(lambda: [], None, [chat], api_visibility="undocumented")
+    wire_clear(tab.box, chat, control, answers)
 
     def chat_images(message, camera, history, *values):
         return wiring.previews.chat_images(message, camera, history, settings_dict(values))
@@ -219,6 +220,8 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
         trigger.change(gallery_images, cost_inputs, [tab.pictures, tab.costs], api_visibility="undocumented",
                        **wiring.previewing)
     tab.gallery.upload(lambda: [], None, [tab.chat], api_visibility="undocumented")
+    # The x on a thumbnail (the gallery's own) removes an image as the Remove button does.
+    tab.gallery.delete(lambda: ([], None), None, [tab.chat, tab.selected], api_visibility="undocumented")
     tab.gallery.select(Handlers.selected_index, None, [tab.selected], api_visibility="undocumented")
     for button, offset in ((tab.earlier, -1), (tab.later, 1)):
         button.click(lambda g, i, o=offset: _gallery_at(*Handlers.move_image(g, i, o)), [tab.gallery, tab.selected],
