@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from app import limits
 from tests.conftest import ARTIFACTS, make_image, make_video, truncated_png, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
@@ -226,6 +227,23 @@ def test_clearing_the_chat_mid_reply_ends_the_reply_and_it_stays_clear(browser, 
         page.close()
 
 
+def test_a_reply_length_out_of_range_is_brought_within_it_and_never_covers_the_chat(browser, server_url):
+    page = open_page(browser, server_url)
+    try:
+        box = page.get_by_label("Max new tokens", exact=True)
+        for typed, kept in (("0", "1"), ("99999", str(limits.MAX_NEW_TOKENS_LIMIT)), ("", "256"), ("12", "12")):
+            box.fill(typed)
+            page.locator("#chat-input textarea").click()  # the field is left
+            assert wait_for(lambda: box.input_value() == kept, 10), (typed, box.input_value())
+        box.fill("0")  # then straight to the question: the field is left on the way
+        page.locator("#chat-input textarea").fill("Hello?")
+        page.locator("#chat-input textarea").press("Enter")
+        assert wait_for(lambda: "· 1 new token" in chat_text(page), 30), chat_text(page)
+        assert page.get_by_text("Error", exact=True).count() == 0  # Gradio's badge over the chat and the box
+    finally:
+        page.close()
+
+
 def test_closing_the_tab_stops_generation(browser, server_url, manager):
     page = open_page(browser, server_url)
     set_max_new_tokens(page, 4000)
@@ -374,7 +392,6 @@ def test_server_load_charts_fill_with_the_engines_history(browser, server_url, c
 def test_high_detail_raises_the_slices_and_the_budget_together(browser, server_url, manager, tmp_path):
     """The sidebar's Image detail choice: High detail sets 36 slices and an 8,192-token budget, and a
     large image's reply then counts what 36 slices cost."""
-    from app import limits
 
     page = open_page(browser, server_url)
     set_max_new_tokens(page, 4)

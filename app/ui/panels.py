@@ -52,14 +52,25 @@ def reply_controls(defaults, thinking_by_default: bool) -> dict:
     all tabs share them), and a link down to the Server load panel."""
     with gr.Row(elem_id="reply-controls"):
         gr.Markdown("[How busy is the server? ↓](#server-load-panel)", elem_id="to-server-load")
-        return {
+        controls = {
             # The checkpoint's template's own default (ModelInfo.thinking_by_default), until the user says.
             "enable_thinking": gr.Checkbox(value=thinking_by_default, label="Thinking", container=False,
                                            elem_id="thinking", min_width=0, scale=0),
-            "max_new_tokens": gr.Number(defaults.max_new_tokens, minimum=1, maximum=limits.MAX_NEW_TOKENS_LIMIT,
-                                        precision=0, step=1, label="Max new tokens", elem_id="max-new-tokens",
-                                        min_width=0, scale=0),
+            # No minimum or maximum for Gradio to check: its refusal covered the chat and the box with "Error"
+            # badges that outlived the fix. A value out of range is brought into it when the field is left, and
+            # the engine refuses one sent before that as the reply to its turn.
+            "max_new_tokens": gr.Number(defaults.max_new_tokens, precision=0, step=1, label="Max new tokens",
+                                        elem_id="max-new-tokens", min_width=0, scale=0),
         }
+    length = controls["max_new_tokens"]
+    length.blur(lambda value: within_reply_limits(value, defaults.max_new_tokens), [length], [length],
+                api_visibility="private", queue=False)
+    return controls
+
+
+def within_reply_limits(value, default: int) -> int:
+    """A reply's length typed in the field, brought within 1 to MAX_NEW_TOKENS_LIMIT (`default` if left empty)."""
+    return default if value is None else min(max(int(value), 1), limits.MAX_NEW_TOKENS_LIMIT)
 
 
 # Gradio's sidebar opens from an unlabelled chevron: the sidebar's name is written along it (assets/style.css).
