@@ -136,9 +136,11 @@ def test_a_question_whose_image_fails_stays_in_its_box_and_retries(browser, serv
 def test_an_empty_message_is_told_in_its_box(browser, server_url):
     page = open_page(browser, server_url)
     try:
-        page.locator("#chat-input textarea").press("Enter")
         box = page.locator("#chat-input textarea")
+        box.fill("   ")  # spaces alone are no question either: emptied, so that the placeholder shows
+        box.press("Enter")
         assert wait_for(lambda: box.get_attribute("placeholder") == "⚠️ Type a question or attach an image first.", 10)
+        assert wait_for(lambda: box.input_value() == "", 10)
         assert page.locator("#chat .message").count() == 0 and page.locator("[data-testid=toast-body]").count() == 0
         box.fill("Hello")
         box.press("Enter")

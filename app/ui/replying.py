@@ -46,7 +46,7 @@ def question_then_answer(add, inputs: int, respond, cleared: int, placeholder: s
         try:
             added = add(*values[:inputs])
         except gr.Error as refused:  # app.ui.refusals: already logged
-            yield gr.skip(), gr.update(placeholder=ERROR_TITLE + refused.message), *[gr.skip()] * (cleared - 1)
+            yield gr.skip(), _told(values[0], ERROR_TITLE + refused.message), *[gr.skip()] * (cleared - 1)
             return
         history = added[0]
         if ends_in_error(history):
@@ -61,6 +61,15 @@ def question_then_answer(add, inputs: int, respond, cleared: int, placeholder: s
             yield gr.skip(), box_idle(), *[gr.skip()] * (cleared - 1)
 
     return added_then_answered
+
+
+def _told(message, refusal: str):
+    """The box saying `refusal` as its placeholder; a message of spaces alone is emptied, else the placeholder
+    would not show and nothing would tell the user."""
+    update = gr.update(placeholder=refusal)
+    if isinstance(message, dict) and not (message.get("text") or "").strip() and not message.get("files"):
+        update["value"] = {"text": "", "files": []}
+    return update
 
 
 def streaming(handler, blocks, control: StopControl | None = None):
