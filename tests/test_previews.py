@@ -105,6 +105,15 @@ def test_a_file_that_is_no_image_is_said_before_sending(previews, manager, tmp_p
     assert not pictures["visible"] and "could not be read as an image" in costs["value"]
 
 
+def test_more_images_than_a_request_holds_are_said_before_sending(previews, manager, tmp_path):
+    many = [make_image(tmp_path, f"many{i}.png", (64, 64)) for i in range(limits.MAX_IMAGES_PER_REQUEST + 1)]
+    told = f"⚠️ {limits.MAX_IMAGES_PER_REQUEST + 1} images in one request; the limit is {limits.MAX_IMAGES_PER_REQUEST}."
+    _, costs = previews.chat_images({"files": many}, None, [], ui_settings(manager))
+    assert costs["value"].startswith(told)
+    assert previews.gallery_images(many, ui_settings(manager))[1].startswith(told)
+    assert "⚠️" not in previews.gallery_images(many[:-1], ui_settings(manager))[1]
+
+
 def test_the_frame_strip_is_the_frames_the_engine_samples(previews, manager, tmp_path):
     video = make_video(tmp_path, "strip.mp4", seconds=6, fps=8)
     info, frames = previews.video_frames(video, 1.0, 128)

@@ -11,6 +11,7 @@ from PIL import Image
 from app import limits
 from app.messages import (
     MSG_MULTI_IMAGE_HINT,
+    MSG_TOO_MANY_IMAGES,
     MSG_UPLOAD_GONE,
     MSG_VIDEO_BROWSER_COPY,
     MSG_VIDEO_HINT,
@@ -104,6 +105,13 @@ def _pictures(paths: list[str], slicings: tuple[ImageSlicing, ...]) -> list[tupl
     return pictures
 
 
+def _too_many(paths: list[str]) -> str | None:
+    """Said before sending: more images than one request holds are refused when sent."""
+    if len(paths) > limits.MAX_IMAGES_PER_REQUEST:
+        return "⚠️ " + MSG_TOO_MANY_IMAGES.format(count=len(paths), limit=limits.MAX_IMAGES_PER_REQUEST)
+    return None
+
+
 class ShownVideo:
     """Which video a session's player holds (a gr.State's value: one per session, the same object in each of
     its events), so that a browser copy made for an earlier one does not land over it."""
@@ -134,8 +142,8 @@ class Previews:
             pictures = _pictures(attached, new)
         except UserError as error:
             return gr.update(**HIDDEN), gr.update(value=f"⚠️ {error}", visible=True)
-        text = "\n\n".join(filter(None, [cost_list(attached, new), plan_summary(plan, len(paths) - len(attached)),
-                                         plan.notice()]))
+        text = "\n\n".join(filter(None, [_too_many(attached), cost_list(attached, new),
+                                         plan_summary(plan, len(paths) - len(attached)), plan.notice()]))
         return gr.update(value=pictures, visible=True), gr.update(value=text, visible=True)
 
     def gallery_images(self, gallery: list | None, settings: dict | None = None):
@@ -148,7 +156,8 @@ class Previews:
             pictures = _pictures(paths, plan.images)
         except UserError as error:
             return gr.update(**HIDDEN), f"⚠️ {error}"
-        text = "\n\n".join(filter(None, [cost_list(paths, plan.images), plan_summary(plan), plan.notice()]))
+        text = "\n\n".join(filter(None, [_too_many(paths), cost_list(paths, plan.images), plan_summary(plan),
+                                         plan.notice()]))
         return gr.update(value=pictures, visible=True), text
 
     # Video ---------------------------------------------------------------------------------------------
