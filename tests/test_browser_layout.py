@@ -239,6 +239,8 @@ def test_the_stats_line_is_legible_and_opens_on_a_table(browser, server_url, wid
         page.get_by_role("tab", name="Multi-image").click()
         page.locator("#multi-chat .example").first.click()
         assert wait_for(lambda: page.locator("#multi-input textarea").input_value() != "", 20)
+        # What the model will see, as for images put there by hand (a gallery filled by an event fires no change).
+        assert wait_for(lambda: "tokens" in page.locator("#multi-costs").inner_text(), 20)
         assert page.get_by_label("Thinking", exact=True).is_checked()
         ask(page, "#multi-input", "#multi-chat", "What changed?", 1)
         assert new_tokens(page.locator("#multi-chat .thought-group:has(.reply-stats)").inner_text()) <= 6

@@ -146,14 +146,15 @@ def test_a_question_refused_before_it_is_asked_is_explained_in_the_chat_and_stay
     assert len(updates) == 1
     history, box, camera = updates[0]
     assert isinstance(history, SKIP) and isinstance(camera, SKIP)
-    assert box == {"__type__": "update", "placeholder": "⚠️ Type a question or attach an image first."}
+    assert box == {"__type__": "update", "placeholder": "⚠️ Type a question or attach an image first.",
+                   "value": {"text": "", "files": []}}  # its spaces gone, so that the placeholder shows
 
     ask_video = question_then_answer(handlers.add_video_question, 3, handlers.respond, cleared=1, placeholder="Ask")
     history, box = list(ask_video("What happens?", None, [], *settings_values(manager)))[0]
     assert [m["content"] for m in history] == ["What happens?", "Upload a video first."] and is_error(history[-1])
     assert box == "What happens?"
     _, box = list(ask_video(" ", None, [], *settings_values(manager)))[0]
-    assert box["placeholder"] == "⚠️ Upload a video first."
+    assert box["placeholder"] == "⚠️ Upload a video first." and box["value"] == ""
 
 
 def test_an_image_whose_upload_expired_is_explained(handlers, manager, tmp_path):

@@ -42,8 +42,9 @@ def _chatbot(label: str, placeholder: str, elem_id: str, examples: list[tuple[st
                                 for text, files in examples])
 
 
-def _fill_from_examples(chat: gr.Chatbot, outputs: list, fill) -> None:
+def _fill_from_examples(chat: gr.Chatbot, outputs: list, fill):
     """A click on one of `chat`'s examples puts it into `outputs`: `fill(text, paths)` gives their values.
+    Returns the event (a gallery filled by it fires no change of its own: its previews follow with .then).
     Only the example's index is taken from the page, never a path: the paths are the examples' own
     copies in Gradio's cache (made when the chat was built)."""
     skipped = gr.skip() if len(outputs) == 1 else tuple(gr.skip() for _ in outputs)
@@ -54,7 +55,7 @@ def _fill_from_examples(chat: gr.Chatbot, outputs: list, fill) -> None:
         example = chat.examples[event.index]
         return fill(example["text"], [file["path"] for file in example["files"]])
 
-    chat.example_select(chosen, None, outputs, api_visibility="private", queue=False)
+    return chat.example_select(chosen, None, outputs, api_visibility="private", queue=False)
 
 
 def build_demo(manager) -> gr.Blocks:
@@ -135,9 +136,9 @@ def _multi_image_tab() -> SimpleNamespace:
                             "multi-chat", [("What changed between the two images?", ["shapes.jpg", "shapes-moved.jpg"])])
             box = gr.Textbox(placeholder="Ask about all the images together…", submit_btn=True,
                              show_label=False, elem_id="multi-input")
-    _fill_from_examples(chat, [gallery, box], lambda text, paths: (paths, text))
+    filled = _fill_from_examples(chat, [gallery, box], lambda text, paths: (paths, text))
     return SimpleNamespace(gallery=gallery, selected=selected, earlier=earlier, later=later, remove=remove,
-                           pictures=pictures, costs=costs, chat=chat, box=box)
+                           pictures=pictures, costs=costs, chat=chat, box=box, filled=filled)
 
 
 def _video_tab(defaults) -> SimpleNamespace:
@@ -219,6 +220,8 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     for trigger in (tab.gallery, *wiring.slicing):
         trigger.change(gallery_images, cost_inputs, [tab.pictures, tab.costs], api_visibility="undocumented",
                        **wiring.previewing)
+    tab.filled.then(gallery_images, cost_inputs, [tab.pictures, tab.costs], api_visibility="undocumented",
+                    **wiring.previewing)
     tab.gallery.upload(lambda: [], None, [tab.chat], api_visibility="undocumented")
     # The x on a thumbnail (the gallery's own) removes an image as the Remove button does.
     tab.gallery.delete(lambda: ([], None), None, [tab.chat, tab.selected], api_visibility="undocumented")

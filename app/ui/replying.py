@@ -67,7 +67,9 @@ def _told(message, refusal: str):
     """The box saying `refusal` as its placeholder; a message of spaces alone is emptied, else the placeholder
     would not show and nothing would tell the user."""
     update = gr.update(placeholder=refusal)
-    if isinstance(message, dict) and not (message.get("text") or "").strip() and not message.get("files"):
+    if isinstance(message, str) and not message.strip():  # a plain box (Multi-image, Video)
+        update["value"] = ""
+    elif isinstance(message, dict) and not (message.get("text") or "").strip() and not message.get("files"):
         update["value"] = {"text": "", "files": []}
     return update
 
