@@ -221,6 +221,7 @@ def test_clearing_the_chat_mid_reply_ends_the_reply_and_it_stays_clear(browser, 
         assert wait_for(lambda: reply_after(page, question).strip(), 60), "no part of the reply reached the page"
         page.locator("#chat").get_by_label("Clear").click()
         assert wait_for(lambda: manager.active_generations == 0, 30), "the cleared reply stayed in the batch"
+        assert wait_for(lambda: question not in chat_text(page), 15), chat_text(page)[:200]
         page.wait_for_timeout(1000)
         assert question not in chat_text(page)  # nothing of it came back
         send, stop = page.locator("#chat-input .submit-button"), page.locator("#chat-input .stop-button")
