@@ -351,7 +351,7 @@ def test_a_long_markdown_reply_reaches_the_page_in_fewer_larger_updates(browser,
 
 def test_server_load_panel_follows_the_engine(browser, server_url, manager):
     page = open_page(browser, server_url)
-    page.get_by_text("Server load").click()
+    page.get_by_text("How busy is the server? ↓").click()  # the link under the input opens the panel
     panel = page.locator("#server-load")
     assert wait_for(lambda: "answered" in panel.inner_text(), 10)
     before = manager.metrics.requests["finished"]

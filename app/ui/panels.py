@@ -85,6 +85,22 @@ LABEL_SETTINGS_TOGGLE = f"""() => {{
 }}"""
 
 
+# "How busy is the server? ↓" scrolled to the Server load panel and left it closed: it opens it too.
+OPEN_SERVER_LOAD_FROM_LINK = """() => {
+    const link = document.querySelector("#to-server-load a");
+    if (!link || link.dataset.opensPanel) return;
+    link.dataset.opensPanel = "1";
+    link.addEventListener("click", (event) => {
+        const panel = document.querySelector("#server-load-panel");
+        const toggle = panel && panel.querySelector(":scope > button.label-wrap");
+        if (!toggle) return;
+        event.preventDefault();
+        if (!toggle.classList.contains("open")) toggle.click();
+        panel.scrollIntoView({block: "start"});
+    });
+}"""
+
+
 def below_the_tabs(manager, handlers: Handlers, header: gr.Markdown, thinking: gr.Checkbox) -> None:
     """Below the tabs: the server-load panel and (if allowed) the model switch."""
     info = manager.info()
