@@ -437,9 +437,9 @@ def test_the_multi_image_highlight_follows_the_image_it_moves(browser, server_ur
     assert wait_for(lambda: shown() == names, 20), shown()
     grid.nth(2).click()
     assert wait_for(lambda: highlighted() == [names[2]], 20), highlighted()
-    for _ in range(2):
+    for order in ([names[0], names[2], names[1]], [names[2], names[0], names[1]]):
         page.get_by_role("button", name="◀ Move earlier").click()
-    assert wait_for(lambda: shown() == [names[2], names[0], names[1]], 20), shown()
+        assert wait_for(lambda: shown() == order, 20), shown()  # a click reads the gallery as the page holds it
     assert wait_for(lambda: highlighted() == [names[2]], 10), highlighted()
     page.get_by_role("button", name="✕ Remove").click()
     assert wait_for(lambda: shown() == names[:2], 20), shown()

@@ -9,16 +9,14 @@ from app.messages import (
     MSG_CONTEXT_TOO_LONG,
     MSG_CONTEXT_TRIMMED,
     MSG_EMPTY_REQUEST,
-    MSG_IMAGES_TOO_LARGE_TOGETHER,
     MSG_MEDIA_TRIMMED,
     MSG_NOT_TEXT,
-    MSG_ONE_VIDEO,
     MSG_PROMPT_TOO_LONG,
-    MSG_TOO_MANY_IMAGES,
 )
 from app.chat import THINK_OPEN
 from app.engine.conversations import image_key, mark_turns_and_media
 from app.engine.prompt_text import TextPartsAsText, with_placeholders
+from app.engine.request_media import check_media_fit, media_fit, media_paths
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
@@ -62,10 +60,6 @@ class PreparedInputs:
 
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
-
-
-def _media_paths(messages: list[dict], kind: str) -> list[str]:
-    return [part["path"] for message in messages for part in message["content"] if part["type"] == kind]
 
 
 def _check_text(messages: list[dict]) -> None:
@@ -220,7 +214,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     system = messages[:1] if messages[0]["role"] == "system" else []  # kept whatever is left out
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
     sizes: dict[str, tuple[int, int]] = {}  # path -> (height, width), from its header, kept across the starts
-    media_start = next((start for start in turn_starts if _media_fit(messages[start:], sizes)), turn_starts[-1])
+    media_start = next((start for start in turn_starts if media_fit(messages[start:], sizes)), turn_starts[-1])
     starts = turn_starts[turn_starts.index(media_start):]
     tried: dict[int, tuple[PreparedInputs, int]] = {}  # an index of `starts` -> (its inputs, tokens they need)
 
@@ -282,30 +276,13 @@ def canvas_positions(model, tensors: dict, downsample_mode: str) -> tuple | None
     return positions[:, 0], int(deltas[0, 0])
 
 
-def _media_fit(messages: list[dict], sizes: dict) -> bool:
-    """Whether one request may hold these messages' media: up to MAX_IMAGES_PER_REQUEST images of up to
-    MAX_REQUEST_IMAGE_PIXELS together, or one video alone. `sizes` caches the images' sizes by path."""
-    image_paths, video_paths = _media_paths(messages, "image"), _media_paths(messages, "video")
-    if video_paths:
-        return len(video_paths) == 1 and not image_paths
-    return len(image_paths) <= limits.MAX_IMAGES_PER_REQUEST and _pixels(image_paths, sizes) <= limits.MAX_REQUEST_IMAGE_PIXELS
-
-
-def _pixels(paths: list[str], sizes: dict) -> int:
-    """The images' pixels together, from their headers (an image sent twice counts once: it is decoded once)."""
-    for path in paths:
-        if path not in sizes:
-            sizes[path] = image_size(path)
-    return sum(height * width for height, width in (sizes[path] for path in set(paths)))
-
-
 def _video_kwargs(video, settings: GenerationSettings) -> dict:
     """The processor's arguments for a sampled video, as the model card says to process its frames."""
     return {
         "videos": [video.frames],
         # No <image_id> numbering for video frames (the card). transformers reads the flag only at the call's
         # top level (or in images_kwargs), not in videos_kwargs; a video request holds no images
-        # (_media_fit), so here it reaches the frames alone.
+        # (request_media.media_fit), so here it reaches the frames alone.
         "use_image_id": False,
         "videos_kwargs": {
             "max_slice_nums": settings.video_slices_per_frame,
@@ -360,16 +337,9 @@ def _image_plan_and_arguments(processor, loaded: list, stand_ins: bool, settings
 
 def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict,
              jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
-    image_paths = _media_paths(messages, "image")
-    video_paths = _media_paths(messages, "video")
-    sizes: dict[str, tuple[int, int]] = {}
-    if not _media_fit(messages, sizes):
-        if video_paths:
-            raise UserError(MSG_ONE_VIDEO)
-        if len(image_paths) > limits.MAX_IMAGES_PER_REQUEST:
-            raise UserError(MSG_TOO_MANY_IMAGES.format(count=len(image_paths), limit=limits.MAX_IMAGES_PER_REQUEST))
-        raise UserError(MSG_IMAGES_TOO_LARGE_TOGETHER.format(pixels=_pixels(image_paths, sizes),
-                                                             limit=limits.MAX_REQUEST_IMAGE_PIXELS))
+    image_paths = media_paths(messages, "image")
+    video_paths = media_paths(messages, "video")
+    check_media_fit(messages, {})
 
     left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media)
     on_device = jpegs_on_device and defers_jpegs(processor)  # the engine makes the slices (D43)

@@ -21,6 +21,7 @@ class StopControl:
     def __init__(self):
         self._lock = threading.Condition()
         self._running: dict[str, set[StopSignal]] = {}
+        self._silenced: set[StopSignal] = set()  # stopped by a Clear: nothing more of theirs reaches the page
 
     def started(self, session: str | None, stop: StopSignal) -> None:
         if session is not None:
@@ -29,6 +30,7 @@ class StopControl:
 
     def ended(self, session: str | None, stop: StopSignal) -> None:
         with self._lock:
+            self._silenced.discard(stop)
             stops = self._running.get(session, set())
             stops.discard(stop)
             if not stops:
@@ -42,11 +44,20 @@ class StopControl:
         for stop in stops:
             stop.set()
 
-    def stop_and_wait(self, request: gr.Request, timeout: float) -> None:
-        """Stop, then wait (up to `timeout` s) until those replies' handlers have sent their last update."""
-        self.stop(request)
+    def silence(self, request: gr.Request, timeout: float) -> None:
+        """Stop the session's replies with nothing more of theirs sent to the page, and wait (up to `timeout`
+        s) until their handlers have ended: what the page is given next is the last it shows (a Clear)."""
+        with self._lock:
+            stops = list(self._running.get(request.session_hash, ()))
+            self._silenced.update(stops)
+        for stop in stops:
+            stop.set()
         with self._lock:
             self._lock.wait_for(lambda: request.session_hash not in self._running, timeout)
+
+    def silenced(self, stop: StopSignal) -> bool:
+        with self._lock:
+            return stop in self._silenced
 
 
 def cancellable(handler, blocks, control: StopControl | None = None):
@@ -73,6 +84,8 @@ def cancellable(handler, blocks, control: StopControl | None = None):
         try:
             while (update := await anyio.to_thread.run_sync(next, updates, _END, abandon_on_cancel=True,
                                                             limiter=blocks.limiter)) is not _END:
+                if control.silenced(stop):
+                    break
                 yield update
         finally:
             control.ended(session, stop)

@@ -106,16 +106,16 @@ def wire_answer(wiring: SimpleNamespace, trigger, chatbot, box, control: StopCon
                            api_visibility="undocumented")
 
 
-# How long Clear waits for the reply it stops to send its last update (within a decode step, as Stop does).
+# How long Clear waits for the reply it stops to end (within a decode step, as Stop does).
 CLEAR_WAIT_S = 5.0
 
 
 def wire_clear(box, chatbot, control: StopControl, answers: list) -> None:
-    """The chat's Clear (its bin icon) stops the reply in progress, if any, then empties the chat once that
-    reply's last update is out: the page empties the chat at once, and the reply's next update put the
-    whole conversation back. On ZeroGPU, whose GPU worker runs the handler, it cancels the reply instead."""
+    """The chat's Clear (its bin icon) stops the reply in progress, if any, with nothing more of it sent, then
+    empties the chat: the page empties it at once, and the reply's next update put the whole conversation
+    back. On ZeroGPU, whose GPU worker runs the handler, it cancels the reply instead."""
     def clear(request: gr.Request):
-        control.stop_and_wait(request, CLEAR_WAIT_S)
+        control.silence(request, CLEAR_WAIT_S)
         return [], box_idle()
 
     chatbot.clear(clear, None, [chatbot, box], cancels=answers if zero_gpu_enabled() else None,
