@@ -108,7 +108,7 @@ def test_each_tab_fills_the_window_with_its_input_at_the_bottom(browser, server_
     takes the window's height down to its input, which with the reply controls under it ends the window, no
     scrolling needed (with three images in the gallery too); the camera sits above the chat's input, the
     examples inside the empty chats, and the galleries' labels above their pictures. The Server load panel
-    is below, a link away."""
+    is below, a link away that opens it."""
     height = WINDOWS[width]
     page = open_window(browser, server_url, width, theme)
     try:
@@ -145,9 +145,10 @@ def test_each_tab_fills_the_window_with_its_input_at_the_bottom(browser, server_
         page.get_by_role("tab", name="Chat").click()
         camera = rect(page, "#camera")
         assert bottom(rect(page, "#chat")) <= camera["y"] and bottom(camera) <= rect(page, "#chat-input")["y"]
-        if width > 768:  # a link beside the reply controls leads to the Server load panel, a scroll away
+        if width > 768:  # a link beside the reply controls opens the Server load panel, a scroll away
             page.get_by_role("link", name="How busy is the server?").click()
-            assert wait_for(lambda: bottom(rect(page, "#server-load-panel")) <= height, 10)
+            assert wait_for(lambda: page.locator("#server-load").is_visible(), 10)  # opened
+            assert wait_for(lambda: 0 <= rect(page, "#server-load-panel")["y"] < height, 10)  # and scrolled to
             page.evaluate("window.scrollTo(0, 0)")
         page.get_by_role("button", name="Settings").click()
         assert wait_for(lambda: page.get_by_label("Sample (off: greedy)").is_visible(), 10)
