@@ -16,12 +16,12 @@ from app.messages import (
 from app.chat import THINK_OPEN
 from app.engine.conversations import image_key, mark_turns_and_media
 from app.engine.prompt_text import TextPartsAsText, with_placeholders
-from app.engine.request_media import check_media_fit, media_fit, media_paths
+from app.engine.request_media import check_media_fit, image_sizes, media_fit, media_paths
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.media.budget import plan_slices
 from app.engine.jpegs_on_device import DECODED_PIXELS_MAX_BYTES, PlannedSlices, deferred_images, defers_jpegs, stand_in_images
-from app.media.images import image_size, jpeg_for_the_device, load_image_pixels
+from app.media.images import jpeg_for_the_device, load_image_pixels
 from app.media.video import sample_video
 
 
@@ -211,17 +211,17 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
         raise UserError(MSG_EMPTY_REQUEST)
     _check_text(messages)
     images: dict[str, object] = {}  # path -> decoded pixels, kept across trimming attempts
+    sizes: dict[str, tuple[int, int]] = {}  # path -> (height, width), from its header, likewise
     system = messages[:1] if messages[0]["role"] == "system" else []  # kept whatever is left out
     turn_starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
-    sizes: dict[str, tuple[int, int]] = {}  # path -> (height, width), from its header, kept across the starts
     media_start = next((start for start in turn_starts if media_fit(messages[start:], sizes)), turn_starts[-1])
     starts = turn_starts[turn_starts.index(media_start):]
     tried: dict[int, tuple[PreparedInputs, int]] = {}  # an index of `starts` -> (its inputs, tokens they need)
 
     def needed(index: int) -> int:
         if index not in tried:
-            prepared = _prepare(processor, system + messages[starts[index]:], settings, images, jpegs_on_device,
-                                kept_media)
+            prepared = _prepare(processor, system + messages[starts[index]:], settings, images, sizes,
+                                jpegs_on_device, kept_media)
             tried[index] = (prepared, prepared.prompt_tokens + settings.max_new_tokens)
         return tried[index][1]
 
@@ -308,18 +308,18 @@ def _loaded_images(paths: list[str], images: dict, on_device: bool) -> tuple[lis
 
 
 def _held_by_kept_conversations(processor, messages: list[dict], paths: list[str], settings: GenerationSettings,
-                                kept_media: frozenset) -> list[tuple[int, int]] | None:
+                                kept_media: frozenset, sizes: dict) -> list[tuple[int, int]] | None:
     """The images' (height, width) from their headers if kept conversations hold every one (their keys in
     `kept_media`), else None. Never for an image of the last question, which no kept state of this
     conversation can hold: if another's held it, this one would be prepared twice (and would learn, from
     the time it took, that someone had sent that file)."""
     if not paths or not kept_media or any(part["type"] == "image" for part in messages[-1]["content"]):
         return None
-    sizes = [image_size(path) for path in paths]
-    plan = plan_slices(processor.image_processor, sizes, settings.max_slice_nums, settings.downsample_mode,
+    upright = image_sizes(paths, sizes)
+    plan = plan_slices(processor.image_processor, upright, settings.max_slice_nums, settings.downsample_mode,
                        settings.visual_token_budget)
     held = all(image_key(path, settings.downsample_mode, plan.max_slice_nums) in kept_media for path in paths)
-    return sizes if held else None
+    return upright if held else None
 
 
 def _image_plan_and_arguments(processor, loaded: list, stand_ins: bool, settings: GenerationSettings):
@@ -335,13 +335,13 @@ def _image_plan_and_arguments(processor, loaded: list, stand_ins: bool, settings
                                     "input_data_format": "channels_first"}}  # a 3-pixel side reads as channels
 
 
-def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict,
+def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict, sizes: dict,
              jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
     image_paths = media_paths(messages, "image")
     video_paths = media_paths(messages, "video")
-    check_media_fit(messages, {})
+    check_media_fit(messages, sizes)
 
-    left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media)
+    left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media, sizes)
     on_device = jpegs_on_device and defers_jpegs(processor)  # the engine makes the slices (D43)
     loaded, on_device = (left_out, on_device) if left_out else _loaded_images(image_paths, images, on_device)
     sizes_only = bool(loaded) and (on_device or bool(left_out))  # no pixels for the processor

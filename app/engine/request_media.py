@@ -34,9 +34,15 @@ def check_media_fit(messages: list[dict], sizes: dict) -> None:
                                                          limit=limits.MAX_REQUEST_IMAGE_PIXELS))
 
 
-def _pixels(paths: list[str], sizes: dict) -> int:
-    """The images' pixels together, from their headers (an image sent twice counts once: it is decoded once)."""
+def image_sizes(paths: list[str], sizes: dict) -> list[tuple[int, int]]:
+    """Each image's (height, width) upright, from its header, read once into `sizes` (by path)."""
     for path in paths:
         if path not in sizes:
             sizes[path] = image_size(path)
-    return sum(height * width for height, width in (sizes[path] for path in set(paths)))
+    return [sizes[path] for path in paths]
+
+
+def _pixels(paths: list[str], sizes: dict) -> int:
+    """The images' pixels together (an image sent twice counts once: it is decoded once)."""
+    unique = list(set(paths))
+    return sum(height * width for height, width in image_sizes(unique, sizes))
