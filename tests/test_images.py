@@ -53,7 +53,10 @@ def test_an_opaque_png_is_decoded_as_it_was(tmp_path):
     path = str(tmp_path / "opaque.png")
     noise = np.random.default_rng(0).integers(0, 256, (40, 30, 3), dtype=np.uint8)
     Image.fromarray(noise).save(path)
-    assert torch.equal(load_image_pixels(path), torch.from_numpy(noise).permute(2, 0, 1))
+    pixels = load_image_pixels(path)
+    assert torch.equal(pixels, torch.from_numpy(noise).permute(2, 0, 1))
+    # Rows of pixels, as the engine takes them (app.engine.jpegs_on_device): flattened with no copy.
+    assert pixels.permute(1, 2, 0).is_contiguous()
 
 
 def test_every_kind_of_png_gives_what_pil_gives(tmp_path):

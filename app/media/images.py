@@ -129,15 +129,19 @@ def _png_header(path: str) -> tuple[int, int]:
 
 def _rgb_png_pixels(path: str):
     """An 8-bit RGB PNG's pixels [3, height, width] (lossless: any sound decoder gives the same); OpenCV's
-    libpng refuses a corrupt one with None."""
+    libpng refuses a corrupt one with None. A view of the decoder's rows of pixels, as torchvision's decoders
+    give: the engine takes them in that order, so making the channels contiguous here would be copied back."""
     import cv2
     import numpy as np
     import torch
 
-    bgr = cv2.imdecode(np.fromfile(path, np.uint8), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
-    if bgr is None:
+    flags = cv2.IMREAD_IGNORE_ORIENTATION | getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)
+    pixels = cv2.imdecode(np.fromfile(path, np.uint8), flags)
+    if pixels is None:
         raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
-    return torch.from_numpy(np.ascontiguousarray(bgr.transpose(2, 0, 1)[::-1]))
+    if not hasattr(cv2, "IMREAD_COLOR_RGB"):  # OpenCV before 4.11 decodes to BGR only
+        cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB, dst=pixels)
+    return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
 # What the engine's GPU decoder (app.model.jpegs, nvJPEG) decodes as load_image_pixels does: the JPEGs whose
