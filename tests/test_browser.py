@@ -101,6 +101,8 @@ def test_chat_with_an_image_streams_a_reply(page, red_image):
     assert len(growing) >= 4, lengths  # the reply was seen at several lengths while it streamed
     assert page.get_by_text(STATS_LINE).inner_text().startswith("640 visual tokens")
     assert page.locator("img[src*='red']").count() >= 1  # the attached image is shown in the chat
+    assert page.locator("#chat button[aria-label='Share']").count() == 1  # Gradio's, under the picture
+    assert page.locator("button[aria-label='Share']:visible").count() == 0  # off Spaces it can only fail
 
 
 def test_a_question_whose_image_fails_stays_in_its_box_and_retries(browser, server_url, tmp_path):
@@ -437,6 +439,8 @@ def test_the_multi_image_highlight_follows_the_image_it_moves(browser, server_ur
     assert wait_for(lambda: shown() == names, 20), shown()
     grid.nth(2).click()
     assert wait_for(lambda: highlighted() == [names[2]], 20), highlighted()
+    assert page.locator("#multi-gallery button[aria-label='Download']:visible").count() == 1
+    assert page.locator("#multi-gallery button[aria-label='Share']").count() == 0
     for order in ([names[0], names[2], names[1]], [names[2], names[0], names[1]]):
         page.get_by_role("button", name="◀ Move earlier").click()
         assert wait_for(lambda: shown() == order, 20), shown()  # a click reads the gallery as the page holds it

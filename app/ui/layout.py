@@ -125,7 +125,7 @@ def _multi_image_tab() -> SimpleNamespace:
         with gr.Column(elem_classes="media-pane"):
             gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
                                  columns=4, height=220, label="Images, in the order the model sees them",
-                                 elem_id="multi-gallery")
+                                 buttons=["download", "fullscreen"], elem_id="multi-gallery")  # no Share (style.css)
             selected = gr.State(None)
             with gr.Row():
                 earlier = gr.Button("◀ Move earlier", size="sm")
