@@ -248,3 +248,25 @@ def test_the_stats_line_is_legible_and_opens_on_a_table(browser, server_url, wid
         assert page.locator("#multi-chat .thought-group:not(:has(.reply-stats))").count() >= 1  # it reasoned
     finally:
         page.close()
+
+
+def test_the_closed_settings_take_no_focus(browser, server_url):
+    """Closed, the settings sidebar is only slid out of view: Tab goes round the page without entering it, and
+    reaches its controls once it is opened."""
+    page = open_window(browser, server_url, 1366, "light")
+    inside = "() => !!document.activeElement.closest('#settings .sidebar-content')"
+    try:
+        page.locator("#chat-input textarea").wait_for()
+        walked = []
+        for _ in range(60):
+            page.keyboard.press("Tab")
+            walked.append(page.evaluate(inside))
+        assert not any(walked)
+        toggle = page.locator("#settings .toggle-button")
+        toggle.click()
+        assert wait_for(lambda: "open" in page.locator("#settings").get_attribute("class"), 5)
+        toggle.focus()
+        page.keyboard.press("Tab")
+        assert page.evaluate(inside)
+    finally:
+        page.close()

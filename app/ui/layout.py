@@ -13,7 +13,8 @@ from app.media.files import BROWSER_COPY_SUFFIX
 from app.ui.cancellable import StopControl
 from app.ui.file_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, model_header, settings_dict
-from app.ui.panels import LABEL_SETTINGS_TOGGLE, OPEN_SERVER_LOAD_FROM_LINK, below_the_tabs, reply_controls, settings_sidebar
+from app.ui.panels import (CLOSED_SETTINGS_INERT, LABEL_SETTINGS_TOGGLE, OPEN_SERVER_LOAD_FROM_LINK, below_the_tabs,
+                            reply_controls, settings_sidebar)
 from app.ui.previews import Previews, ShownVideo
 from app.ui.replying import MODEL_EVENTS, streaming, wire_answer, wire_clear, wire_question, wire_stop
 
@@ -89,6 +90,7 @@ def build_demo(manager) -> gr.Blocks:
         demo.load(lambda: model_header(manager.info()), None, [header], api_visibility="private")
         demo.load(None, js=LABEL_SETTINGS_TOGGLE, api_visibility="private")
         demo.load(None, js=OPEN_SERVER_LOAD_FROM_LINK, api_visibility="private")
+        demo.load(None, js=CLOSED_SETTINGS_INERT, api_visibility="private")
         _wire_api(wiring, api)
     return demo
 

@@ -85,6 +85,18 @@ LABEL_SETTINGS_TOGGLE = f"""() => {{
 }}"""
 
 
+# Closed, the settings sidebar is only slid out of view: Tab still walked through its dozen controls, unseen. Inert
+# while closed, it takes no focus and no clicks; the toggle, outside it, stays.
+CLOSED_SETTINGS_INERT = """() => {
+    const sidebar = document.querySelector("#settings");
+    const content = sidebar && sidebar.querySelector(":scope > .sidebar-content");
+    if (!content) return;
+    const follow = () => { content.inert = !sidebar.classList.contains("open"); };
+    new MutationObserver(follow).observe(sidebar, {attributes: true, attributeFilter: ["class"]});
+    follow();
+}"""
+
+
 # "How busy is the server? ↓" scrolled to the Server load panel and left it closed: it opens it too.
 OPEN_SERVER_LOAD_FROM_LINK = """() => {
     const link = document.querySelector("#to-server-load a");
