@@ -130,6 +130,11 @@ def test_each_tab_fills_the_window_with_its_input_at_the_bottom(browser, server_
                 for gallery, pictures in (("#multi-gallery", ".thumbnail-item"), ("#multi-previews", "img")):
                     label = rect(page, f"{gallery} [data-testid=block-label]")
                     assert not any(overlap(label, picture) for picture in rects(page, f"{gallery} {pictures}")), gallery
+                # The buttons that order the images show whole in their pane, beside one another.
+                pane = rect(page, "#multi-gallery >> xpath=ancestor::*[contains(@class, 'media-pane')][1]")
+                moves = rects(page, ".gallery-moves button")
+                assert len(moves) == 3 and len({round(move["y"]) for move in moves}) == 1, moves
+                assert all(pane["y"] <= move["y"] and bottom(move) <= bottom(pane) for move in moves), (pane, moves)
             else:
                 examples = rects(page, f"{chat} .example")
                 assert examples and all(overlap(example, rect(page, chat)) for example in examples), tab
