@@ -232,6 +232,44 @@ def test_clearing_the_chat_mid_reply_ends_the_reply_and_it_stays_clear(browser, 
         page.close()
 
 
+def test_multi_image_replies_are_retried_undone_and_cleared_as_in_chat(browser, server_url, manager, tmp_path):
+    """Retry answers the question again, Undo puts it back in the box (the images stay in the gallery and go
+    with it again), and Clear mid-reply ends the reply, which never comes back."""
+    page = open_page(browser, server_url)
+    try:
+        set_max_new_tokens(page, 4000)
+        assert wait_for(lambda: manager.active_generations == 0, 30)
+        page.get_by_role("tab", name="Multi-image").click()
+        paths = [make_image(tmp_path, f"two{i}.png", (300, 200), colour) for i, colour in enumerate([(200, 30, 30), (30, 30, 200)])]
+        page.locator("#multi-gallery input[type=file]").set_input_files(paths)
+        assert wait_for(lambda: page.locator("#multi-gallery .thumbnail-item.thumbnail-lg img").count() == 2, 20)
+        chat, box = page.locator("#multi-chat"), page.locator("#multi-input textarea")
+        send = page.locator("#multi-input .submit-button")
+        question = "Compare them, at length."
+        box.fill(question)
+        box.press("Enter")
+        assert wait_for(lambda: question in chat.inner_text() and chat.inner_text().split(question)[-1].strip(), 60)
+        page.locator("#multi-input .stop-button").click()
+        assert wait_for(lambda: chat.get_by_text(STATS_LINE).count() == 1 and send.count() == 1, 30)
+        with page.expect_response(lambda response: "/gradio_api/queue/join" in response.url):
+            chat.locator("button[aria-label=Retry]").click()
+        assert wait_for(lambda: page.locator("#multi-input .stop-button").count() == 1, 30)  # answering again
+        page.locator("#multi-input .stop-button").click()
+        assert wait_for(lambda: chat.get_by_text(STATS_LINE).count() == 1 and send.count() == 1, 30)
+        assert chat.inner_text().count(question) == 1
+        chat.locator("button[aria-label=Undo]").click()
+        assert wait_for(lambda: box.input_value() == question and question not in chat.inner_text(), 10)
+        box.press("Enter")
+        assert wait_for(lambda: question in chat.inner_text() and chat.inner_text().split(question)[-1].strip(), 60)
+        chat.get_by_label("Clear").click()
+        assert wait_for(lambda: manager.active_generations == 0, 30), "the cleared reply stayed in the batch"
+        assert wait_for(lambda: question not in chat.inner_text(), 15)
+        page.wait_for_timeout(1000)
+        assert question not in chat.inner_text()  # nothing of it came back
+    finally:
+        page.close()
+
+
 def test_a_reply_length_out_of_range_is_brought_within_it_and_never_covers_the_chat(browser, server_url):
     page = open_page(browser, server_url)
     try:

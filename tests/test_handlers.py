@@ -216,6 +216,13 @@ def test_multi_image_order_costs_and_questions(handlers, manager, tmp_path):
     assert "| Images | #1 640, #2 578, #3 64 tokens |" in history[-1]["content"]
     history, _ = handlers.add_multi_image_question("And now?", moved, history)
     assert history[-1] == {"role": "user", "content": "And now?"}  # follow-up: images are not attached twice
+    # Undo gives the box its question back; the images stay in the gallery, and go with the next first question.
+    undone = len(history) - 1
+    kept, box = handlers.undo_question(history, gr.UndoData(None, {"index": undone, "value": "And now?"}))
+    assert kept == history[:undone] and box == "And now?"
+    kept, box = handlers.undo_question(kept, gr.UndoData(None, {"index": 3, "value": "What changed?"}))
+    assert kept == [] and box == "What changed?"
+    assert handlers.add_multi_image_question(box, moved, kept)[0] == history[:4]
     history, box = handlers.add_multi_image_question("Hi", [], [])
     assert is_error(history[-1]) and history[-1]["content"] == "Add at least one image to the gallery first." and box == "Hi"
     with pytest.raises(gr.Error, match="Add at least one image"):

@@ -270,6 +270,11 @@ class Handlers:
             removed.insert(0, kept.pop())
         return kept, box_value(removed)
 
+    def undo_question(self, history: list, undo_data: gr.UndoData):
+        """Undo where the media stay in their own place (Multi-image, Video): the question goes back to the box."""
+        kept, message = self.undo(history, undo_data)
+        return kept, message["text"]
+
     # Multi-image tab --------------------------------------------------------------------------------
 
     @staticmethod

@@ -185,16 +185,22 @@ ATTACHMENTS_KEY = ("(message, camera, ...slicing) => "
                    "JSON.stringify([(message?.files ?? []).map(file => file.path), camera?.path ?? null, slicing])")
 
 
+def _wire_conversation(wiring: SimpleNamespace, chat: gr.Chatbot, box, add_question, question_inputs: list,
+                       question_outputs: list, undo) -> None:
+    """A tab's question, its reply, and the chat's Stop, Retry, Undo (`undo` gives the chat and the box) and Clear."""
+    control = StopControl()
+    asked = wire_question(wiring, box, add_question, question_inputs, question_outputs, control)
+    retried = chat.retry(wiring.handlers.retry, [chat], [chat], api_visibility="undocumented")
+    answers = [asked, wire_answer(wiring, retried, chat, box, control)]
+    wire_stop(box, chat, control, answers)
+    chat.undo(undo, [chat], [chat, box], api_visibility="undocumented")
+    wire_clear(box, chat, control, answers)
+
+
 def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     handlers, chat = wiring.handlers, tab.chat
-    control = StopControl()
-    asked = wire_question(wiring, tab.box, handlers.add_chat_message, [tab.box, tab.camera, chat],
-                           [chat, tab.box, tab.camera], control)
-    retried = chat.retry(handlers.retry, [chat], [chat], api_visibility="undocumented")
-    answers = [asked, wire_answer(wiring, retried, chat, tab.box, control)]
-    wire_stop(tab.box, chat, control, answers)
-    chat.undo(handlers.undo, [chat], [chat, tab.box], api_visibility="undocumented")
-    wire_clear(tab.box, chat, control, answers)
+    _wire_conversation(wiring, chat, tab.box, handlers.add_chat_message, [tab.box, tab.camera, chat],
+                       [chat, tab.box, tab.camera], handlers.undo)
 
     def chat_images(message, camera, history, *values):
         return wiring.previews.chat_images(message, camera, history, settings_dict(values))
@@ -236,10 +242,8 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     tab.remove.click(lambda g, i: _gallery_at(*Handlers.remove_image(g, i)), [tab.gallery, tab.selected],
                      [tab.gallery, tab.selected],
                      api_visibility="undocumented").then(lambda: [], None, [tab.chat], api_visibility="undocumented")
-    control = StopControl()
-    asked = wire_question(wiring, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
-                           [tab.chat, tab.box], control)
-    wire_stop(tab.box, tab.chat, control, [asked])
+    _wire_conversation(wiring, tab.chat, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
+                       [tab.chat, tab.box], handlers.undo_question)
 
 
 # Gradio's player says "Video not playable" of a video the browser cannot play; once its copy is in the player,
@@ -265,10 +269,8 @@ def _wire_video(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     tab.video.change(None, [tab.video], None, js=DISMISS_UNPLAYABLE_ERROR)
     for control in (tab.settings["video_fps"], tab.settings["video_max_frames"]):
         control.change(previews.video_frames, sampling, [tab.info, tab.frames], api_visibility="undocumented", **previewing)
-    control = StopControl()
-    asked = wire_question(wiring, tab.box, handlers.add_video_question, [tab.box, tab.video, tab.chat],
-                           [tab.chat, tab.box], control)
-    wire_stop(tab.box, tab.chat, control, [asked])
+    _wire_conversation(wiring, tab.chat, tab.box, handlers.add_video_question, [tab.box, tab.video, tab.chat],
+                       [tab.chat, tab.box], handlers.undo_question)
 
 
 def _wire_api(wiring: SimpleNamespace, api: SimpleNamespace) -> None:
