@@ -3,8 +3,9 @@ the benchmark's 1344x1344 PNG decoded, sliced (10 slices), cut into patches and 
 rendered and tokenized. The processor as transformers ships it (given a PIL image) against the one the
 app loads (patches cut by a reshape, slices kept in uint8, given the decoded tensor), and the app's processor through one
 worker process (app.engine.preparers, as on a GPU box: the hop and the pixels' way back included); the
-decoding of the PNG alone is timed apart (the app's decoder and PIL's), and the same pixels as a JPEG. Only the processor's configuration matters here, so the tiny checkpoint (same
-image and video processors as the real one) stands in:
+decoding of the PNG alone is timed apart (the app's decoders, OpenCV on a thread and libspng in a preparing
+worker process, and PIL's), and the same pixels as a JPEG. Only the processor's configuration matters here, so
+the tiny checkpoint (same image and video processors as the real one) stands in:
 
     python benchmarks/prepare.py --runs 9 --json prepare.json
 """
@@ -44,6 +45,7 @@ def main() -> None:
     image, messages = benchmark_request()
     settings = GenerationSettings(max_new_tokens=128)
     row = {"decode_png_ms": round(timed(lambda: None, lambda: load_image_pixels(image), args.runs)[0], 1),
+           "decode_png_libspng_ms": round(timed(lambda: None, lambda: load_image_pixels(image, True), args.runs)[0], 1),
            "decode_png_pil_ms": round(timed(lambda: None, lambda: load_image(image), args.runs)[0], 1)}
     shipped = AutoProcessor.from_pretrained(folder)
     prompt = shipped.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -267,7 +267,7 @@ def test_a_follow_up_decodes_none_of_the_images_its_conversation_holds(manager, 
 
     decoded = []
     load = inputs.load_image_pixels
-    monkeypatch.setattr(inputs, "load_image_pixels", lambda path: decoded.append(path) or load(path))
+    monkeypatch.setattr(inputs, "load_image_pixels", lambda path, *rest: decoded.append(path) or load(path, *rest))
     photo, other = make_image(tmp_path, "photo.png", (900, 700)), make_image(tmp_path, "other.png", (500, 400), (1, 2, 3))
     turns = same_with_and_without(manager, cache, [{"type": "image", "path": photo}, text("What is it?")],
                                   [[text("And the colour?")], [{"type": "image", "path": other}, text("And this?")]])

@@ -49,18 +49,20 @@ def test_half_transparent_pixels_are_blended_with_white(tmp_path):
     assert red == green and abs(red - 127) <= 1 and abs(blue - 227) <= 1
 
 
-def test_an_opaque_png_is_decoded_as_it_was(tmp_path):
+@pytest.mark.parametrize("may_hold_gil", [False, True], ids=["OpenCV", "libspng"])
+def test_an_opaque_png_is_decoded_as_it_was(tmp_path, may_hold_gil):
     path = str(tmp_path / "opaque.png")
     noise = np.random.default_rng(0).integers(0, 256, (40, 30, 3), dtype=np.uint8)
     Image.fromarray(noise).save(path)
-    pixels = load_image_pixels(path)
+    pixels = load_image_pixels(path, may_hold_gil)
     assert torch.equal(pixels, torch.from_numpy(noise).permute(2, 0, 1))
     # Rows of pixels, as the engine takes them (app.engine.jpegs_on_device): flattened with no copy.
     assert pixels.permute(1, 2, 0).is_contiguous()
 
 
-def test_every_kind_of_png_gives_what_pil_gives(tmp_path):
-    """8-bit RGB PNGs are decoded by OpenCV, every other kind by PIL: each as load_image's pixels."""
+@pytest.mark.parametrize("may_hold_gil", [False, True], ids=["OpenCV", "libspng"])
+def test_every_kind_of_png_gives_what_pil_gives(tmp_path, may_hold_gil):
+    """8-bit RGB PNGs are decoded by OpenCV or libspng, every other kind by PIL: each as load_image's pixels."""
     noise = np.random.default_rng(1).integers(0, 256, (30, 50, 3), dtype=np.uint8)
     turned = Image.fromarray(noise)
     exif = turned.getexif()
@@ -75,8 +77,8 @@ def test_every_kind_of_png_gives_what_pil_gives(tmp_path):
         else:
             image.save(path, **({"exif": exif} if name == "turned" else {}))
         expected = torch.from_numpy(np.array(load_image(path))).permute(2, 0, 1)
-        assert torch.equal(load_image_pixels(path), expected), name
-    assert load_image_pixels(str(tmp_path / "turned.png")).shape == (3, 50, 30)
+        assert torch.equal(load_image_pixels(path, may_hold_gil), expected), name
+    assert load_image_pixels(str(tmp_path / "turned.png"), may_hold_gil).shape == (3, 50, 30)
 
 
 def with_exif_after_the_pixels(path: str, orientation: int) -> None:
@@ -122,7 +124,8 @@ def corrupt_rgba_png(tmp_path) -> str:
     return path
 
 
+@pytest.mark.parametrize("may_hold_gil", [False, True], ids=["OpenCV", "libspng"])
 @pytest.mark.parametrize("broken", [corrupt_png, garbage_png, corrupt_rgba_png])
-def test_a_png_broken_past_its_header_is_refused(tmp_path, broken):
+def test_a_png_broken_past_its_header_is_refused(tmp_path, broken, may_hold_gil):
     with pytest.raises(UserError, match="could not be read as an image"):
-        load_image_pixels(broken(tmp_path))
+        load_image_pixels(broken(tmp_path), may_hold_gil)

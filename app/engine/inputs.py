@@ -193,7 +193,8 @@ def _video_patches(videos, patch_size: int):
 
 
 def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
-                   pixel_dtype=None, jpegs_on_device: bool = False, kept_media: frozenset = frozenset()) -> PreparedInputs:
+                   pixel_dtype=None, jpegs_on_device: bool = False, kept_media: frozenset = frozenset(),
+                   may_hold_gil: bool = False) -> PreparedInputs:
     """Model inputs for the conversation; the oldest turns are left out (with a notice) when it holds more
     media than one request may (the latest turn alone still must fit), then while it outgrows the context.
     A system message (first, if any) is always kept.
@@ -206,6 +207,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     GPU decodes as the CPU does (app.engine.jpegs_on_device).
     A request whose every image a kept conversation holds (their keys in `kept_media`: a follow-up) gets none
     either, and says so (pixels_left_out): the engine encodes none of them (app.engine.conversations).
+    `may_hold_gil`: nothing else of this process waits to run (a preparing worker process; load_image_pixels).
     """
     if not messages or messages[-1]["role"] != "user":
         raise UserError(MSG_EMPTY_REQUEST)
@@ -221,7 +223,7 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     def needed(index: int) -> int:
         if index not in tried:
             prepared = _prepare(processor, system + messages[starts[index]:], settings, images, sizes,
-                                jpegs_on_device, kept_media)
+                                jpegs_on_device, kept_media, may_hold_gil)
             tried[index] = (prepared, prepared.prompt_tokens + settings.max_new_tokens)
         return tried[index][1]
 
@@ -292,17 +294,17 @@ def _video_kwargs(video, settings: GenerationSettings) -> dict:
     }
 
 
-def _loaded_images(paths: list[str], images: dict, on_device: bool) -> tuple[list, bool]:
+def _loaded_images(paths: list[str], images: dict, on_device: bool, may_hold_gil: bool) -> tuple[list, bool]:
     """Each image's pixels (cached in `images` across trimming attempts), or a JPEG's (height, width) where the
     engine decodes it (`on_device`: jpeg_for_the_device); and whether the engine makes the slices: not past
     DECODED_PIXELS_MAX_BYTES of decoded pixels."""
     for path in paths:
         if path not in images:
-            images[path] = (on_device and jpeg_for_the_device(path)) or load_image_pixels(path)
+            images[path] = (on_device and jpeg_for_the_device(path)) or load_image_pixels(path, may_hold_gil)
     if on_device and sum(images[p].numel() for p in paths if not isinstance(images[p], tuple)) > DECODED_PIXELS_MAX_BYTES:
         for path in paths:
             if isinstance(images[path], tuple):
-                images[path] = load_image_pixels(path)
+                images[path] = load_image_pixels(path, may_hold_gil)
         on_device = False
     return [images[path] for path in paths], on_device
 
@@ -336,14 +338,17 @@ def _image_plan_and_arguments(processor, loaded: list, stand_ins: bool, settings
 
 
 def _prepare(processor, messages: list[dict], settings: GenerationSettings, images: dict, sizes: dict,
-             jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
+             jpegs_on_device: bool, kept_media: frozenset, may_hold_gil: bool) -> PreparedInputs:
     image_paths = media_paths(messages, "image")
     video_paths = media_paths(messages, "video")
     check_media_fit(messages, sizes)
 
     left_out = _held_by_kept_conversations(processor, messages, image_paths, settings, kept_media, sizes)
     on_device = jpegs_on_device and defers_jpegs(processor)  # the engine makes the slices (D43)
-    loaded, on_device = (left_out, on_device) if left_out else _loaded_images(image_paths, images, on_device)
+    if left_out:
+        loaded = left_out
+    else:
+        loaded, on_device = _loaded_images(image_paths, images, on_device, may_hold_gil)
     sizes_only = bool(loaded) and (on_device or bool(left_out))  # no pixels for the processor
     plan, processor_kwargs = _image_plan_and_arguments(processor, loaded, sizes_only, settings)
     notices = [plan.notice()] if plan is not None and plan.notice() else []

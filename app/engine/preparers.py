@@ -187,7 +187,7 @@ def _prepare(messages: list[dict], settings: GenerationSettings, max_context_tok
     Pixels that do not fit the slot go back in a segment of their own, as torch sends tensors."""
     started = time.perf_counter()
     prepared = prepare_inputs(_processor, messages, settings, max_context_tokens, pixel_dtype, jpegs_on_device,
-                              kept_media)
+                              kept_media, may_hold_gil=True)  # this worker's one thread prepares one request
     prepared.tensors = _for_the_way_back(prepared.tensors, _slot_buffers[slot] if slot is not None else None)
     prepared.timeline.update(work_started=started, work_done=time.perf_counter())
     return prepared

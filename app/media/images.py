@@ -15,7 +15,7 @@ from app.media.files import check_local_file
 # Decoded by torchvision (libjpeg-turbo) straight into the tensor the image processor takes, with no PIL image
 # to convert (docs/DECISIONS.md D11). Not PNG: torchvision's libpng decoder ends the whole process on a
 # corrupt PNG rather than raising (D52). A PNG of 8-bit RGB, with nothing to turn or make transparent, is
-# decoded by OpenCV (26 ms for the 1344x1344 noise PNG on the dev machine, PIL 38); any other by PIL.
+# decoded by libspng where the caller may hold the GIL, else by OpenCV (D53); any other by PIL.
 _TENSOR_DECODED_FORMATS = ("JPEG",)
 _PNG_RGB8 = (8, 2)  # IHDR's bit depth and colour type
 WHITE = (255, 255, 255, 255)
@@ -95,14 +95,15 @@ def check_image(path: str) -> None:
         pass
 
 
-def load_image_pixels(path: str):
+def load_image_pixels(path: str, may_hold_gil: bool = False):
     """The image as an upright RGB uint8 tensor [3, height, width], as load_image's pixels, faster for
-    JPEG. Other formats go through PIL."""
+    JPEG and 8-bit RGB PNG. Other formats go through PIL. `may_hold_gil`: no other thread of this process
+    waits to run (a preparing worker process), so the faster PNG decoder, which holds the GIL, may be used."""
     with _opened(path) as image:
         image_format = image.format
         plain_png = image_format == "PNG" and "transparency" not in image.info and _upright(image, path)
     if plain_png and _png_header(path) == _PNG_RGB8:
-        return _rgb_png_pixels(path)
+        return _rgb_png_pixels(path, may_hold_gil)
     decode = _tensor_decoder()
     if image_format in _TENSOR_DECODED_FORMATS and decode is not None:
         try:
@@ -127,21 +128,39 @@ def _png_header(path: str) -> tuple[int, int]:
     return header[24], header[25]
 
 
-def _rgb_png_pixels(path: str):
-    """An 8-bit RGB PNG's pixels [3, height, width] (lossless: any sound decoder gives the same); OpenCV's
-    libpng refuses a corrupt one with None. A view of the decoder's rows of pixels, as torchvision's decoders
-    give: the engine takes them in that order, so making the channels contiguous here would be copied back."""
+def _rgb_png_pixels(path: str, may_hold_gil: bool):
+    """An 8-bit RGB PNG's pixels [3, height, width] (lossless: any sound decoder gives the same), as a view
+    of the decoder's rows of pixels, as torchvision's decoders give: the engine takes them in that order.
+    libspng decodes in about 65% of OpenCV's time, but holds the GIL, which would stall every other thread of
+    an engine that prepares on threads (D53). Each refuses a corrupt PNG."""
+    import torch
+
+    pixels = _png_by_libspng(path) if may_hold_gil else _png_by_opencv(path)
+    if pixels is None:
+        raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
+    return torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+def _png_by_libspng(path: str):
+    import pyspng
+
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        return pyspng.load(data, "RGB")
+    except RuntimeError:
+        return None
+
+
+def _png_by_opencv(path: str):
     import cv2
     import numpy as np
-    import torch
 
     flags = cv2.IMREAD_IGNORE_ORIENTATION | getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)
     pixels = cv2.imdecode(np.fromfile(path, np.uint8), flags)
-    if pixels is None:
-        raise UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
-    if not hasattr(cv2, "IMREAD_COLOR_RGB"):  # OpenCV before 4.11 decodes to BGR only
+    if pixels is not None and not hasattr(cv2, "IMREAD_COLOR_RGB"):  # OpenCV before 4.11 decodes to BGR only
         cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB, dst=pixels)
-    return torch.from_numpy(pixels).permute(2, 0, 1)
+    return pixels
 
 
 # What the engine's GPU decoder (app.model.jpegs, nvJPEG) decodes as load_image_pixels does: the JPEGs whose
