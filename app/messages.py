@@ -56,6 +56,8 @@ MSG_ENGINE_BROKE = "The model server at {url} stopped answering in the middle of
 MSG_ENGINE_REFUSED = "The model server refused the request (HTTP {status}): {detail}"
 MSG_COSTS_ON_SERVER = "Visual token costs are counted by the model server and are not known here."
 MSG_SWITCHING = "The model is being switched and is not ready yet; try again in a minute."
+MSG_PREPARER_LOST = ("The process that was reading this request's files stopped unexpectedly; it has been restarted. "
+                     "Send the request again: if it fails the same way, one of its files is the likely cause.")
 MSG_ENGINE_PROCESS_LOST = "The model's process stopped in the middle of this reply; it is being restarted. Try again in a minute."
 MSG_WEB_PROCESS_DOWN = "This part of the demo is restarting; reload the page in a few seconds."
 MSG_ENGINE_PROCESS_DOWN = "The model's process is not running and could not be restarted; see the server's log."

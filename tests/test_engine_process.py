@@ -92,6 +92,29 @@ def test_every_preparing_worker_is_started_and_ready_with_the_preparer(tmp_path)
         preparer.close()
 
 
+def test_a_preparing_worker_that_dies_is_replaced_and_only_its_requests_fail(tmp_path):
+    """A worker's death (a decoder's crash, the out-of-memory killer) broke the pool, and every request after it
+    failed, text alone too, until the app was restarted."""
+    from app.engine.preparers import ProcessPreparer
+    from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
+
+    preparer = ProcessPreparer(ensure_tiny_checkpoint(), False, 2)
+    try:
+        question = user("What is it?", make_image(tmp_path, "p.png"))
+        assert preparer.prepare(question, GenerationSettings(), 8192).visual_tokens == 640
+        first = set(preparer._pool._processes)
+        os.kill(next(iter(first)), signal.SIGKILL)
+        with pytest.raises(UserError, match="stopped unexpectedly; it has been restarted"):
+            preparer.prepare(question, GenerationSettings(), 8192)
+        assert preparer.prepare(question, GenerationSettings(), 8192).visual_tokens == 640
+        assert preparer.prepare(user("And in words?"), GenerationSettings(), 8192).visual_tokens == 0
+        assert not first & set(preparer._pool._processes)  # new workers, two of them
+        assert len(preparer._pool._processes) == 2
+        assert sorted(preparer._slots._free.get() for _ in range(4)) == [0, 1, 2, 3]  # every slot given back
+    finally:
+        preparer.close()
+
+
 def test_replies_equal_the_in_process_engine_token_for_token(engine, manager, tmp_path):
     """Same checkpoint, greedy: the text decoded here from the engine process's tokens is the in-process text."""
     settings = GenerationSettings(max_new_tokens=40, min_new_tokens=40, do_sample=False)

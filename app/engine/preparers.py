@@ -15,12 +15,15 @@ import queue
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context, parent_process
 
 from app import tuning
 from app.engine.inputs import PreparedInputs, load_processor, prepare_inputs
 from app.engine.settings import GenerationSettings
+from app.errors import UserError
+from app.messages import MSG_PREPARER_LOST
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +76,24 @@ class ProcessPreparer:
                  slot_bytes: int = PIXEL_SLOT_BYTES):
         self.workers = workers
         self.pixel_dtype = pixel_dtype
+        self._processor_source = (processor_path, trust_remote_code)
         # A slot for each request being prepared and two more, for those whose pixels are being taken out.
         self._slots = PixelSlots.made(workers + 2, slot_bytes) if slot_bytes else None
+        self._pool_lock = threading.Lock()  # held while a pool starts, so that no request meets a broken one
+        self._pool = self._started_pool()
+        log.info("Inputs are prepared in %d worker processes", workers)
+
+    def _started_pool(self) -> ProcessPoolExecutor:
         context = get_context("spawn")
         ready = context.Queue()
-        self._pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_load_processor,
-                                         initargs=(processor_path, trust_remote_code, ready,
-                                                   self._slots.buffers if self._slots else []))
+        pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_load_processor,
+                                   initargs=(*self._processor_source, ready, self._slots.buffers if self._slots else []))
         # One task each while none is idle yet starts every worker; each says when its processor is loaded.
-        for future in [self._pool.submit(os.getpid) for _ in range(workers)]:
+        for future in [pool.submit(os.getpid) for _ in range(self.workers)]:
             future.result()
-        for _ in range(workers):
+        for _ in range(self.workers):
             ready.get(timeout=tuning.PREPARER_START_TIMEOUT_S)
-        log.info("Inputs are prepared in %d worker processes", workers)
+        return pool
 
     def prepare(self, messages: list[dict], settings: GenerationSettings, max_context_tokens: int,
                 jpegs_on_device: bool = False, kept_media: frozenset = frozenset()) -> PreparedInputs:
@@ -101,11 +109,27 @@ class ProcessPreparer:
 
     def _through_a_worker(self, messages, settings, max_context_tokens, slot: int | None,
                           jpegs_on_device: bool, kept_media: frozenset) -> PreparedInputs:
-        prepared = self._pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype, slot,
-                                     jpegs_on_device, kept_media).result()
+        with self._pool_lock:
+            pool = self._pool
+        try:
+            prepared = pool.submit(_prepare, messages, settings, max_context_tokens, self.pixel_dtype, slot,
+                                   jpegs_on_device, kept_media).result()
+        except BrokenProcessPool:
+            self._replace(pool)
+            raise UserError(MSG_PREPARER_LOST) from None
         prepared.tensors = _from_the_way_back(prepared.tensors, self._slots.buffers[slot] if slot is not None else None)
         prepared.timeline["received"] = time.perf_counter()
         return prepared
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        """A worker that dies (a decoder's crash, the kernel's out-of-memory killer) breaks the whole pool, and
+        every request after it failed until a restart: the first request to meet it starts a new one. The
+        requests it was preparing fail, each with MSG_PREPARER_LOST."""
+        with self._pool_lock:
+            if self._pool is broken:
+                log.warning("A preparing worker process ended; starting %d new ones", self.workers)
+                broken.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._started_pool()
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
