@@ -33,6 +33,10 @@ MAX_REQUEST_IMAGE_PIXELS = 256_000_000
 # (15-20 s of every user's streams on the CPU). Up to 100:1 no view of any size or slice count exceeds
 # 1,300 patches (1,024 for a square).
 MAX_IMAGE_ASPECT_RATIO = 100
+# A PNG's chunks, counted from their headers before any decoder reads them: PIL keeps and walks each one in
+# Python, and 16.6 M empty chunks (199 MB) held its opening 49 s and 2.9 GB. A 200 MB PNG cut into libpng's
+# 8 KB pieces has about 25,000.
+MAX_PNG_CHUNKS = 100_000
 
 # Visual token budget (MiniCPM-V slicing: a 448-px source view plus slices of 64 tokens each). 9 slices
 # (640 tokens for a 1344x1344 image) is the processor's default; the model card recommends up to 36 for
@@ -103,6 +107,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "UPLOAD_STALL_TIMEOUT_S",
     "MAX_IMAGES_PER_REQUEST",
     "MAX_IMAGE_PIXELS",
+    "MAX_PNG_CHUNKS",
     "MAX_REQUEST_IMAGE_PIXELS",
     "MAX_IMAGE_ASPECT_RATIO",
     "MAX_VISUAL_TOKEN_BUDGET",

@@ -81,15 +81,26 @@ def test_every_kind_of_png_gives_what_pil_gives(tmp_path, may_hold_gil):
     assert load_image_pixels(str(tmp_path / "turned.png"), may_hold_gil).shape == (3, 50, 30)
 
 
-def with_exif_after_the_pixels(path: str, orientation: int) -> None:
-    """An eXIf chunk saying `orientation` put just before IEND, after the pixels (PNG allows it there)."""
+def chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def exif_chunk(orientation: int) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = orientation
-    data = exif.tobytes()
-    chunk = struct.pack(">I", len(data)) + b"eXIf" + data + struct.pack(">I", zlib.crc32(b"eXIf" + data))
+    return chunk(b"eXIf", exif.tobytes())
+
+
+def with_chunks(path: str, chunks: bytes, before_the_pixels: bool = False) -> None:
+    """`chunks` put just before IEND, after the pixels, or just after IHDR, before them (PNG allows both)."""
     png = open(path, "rb").read()
-    end = png.rindex(b"IEND") - 4
-    open(path, "wb").write(png[:end] + chunk + png[end:])
+    at = 8 + 25 if before_the_pixels else png.rindex(b"IEND") - 4
+    open(path, "wb").write(png[:at] + chunks + png[at:])
+
+
+def with_exif_after_the_pixels(path: str, orientation: int) -> None:
+    """An eXIf chunk saying `orientation` put just before IEND, after the pixels (PNG allows it there)."""
+    with_chunks(path, exif_chunk(orientation))
 
 
 def test_a_pngs_turn_is_read_without_decoding_it_wherever_its_exif_lies(tmp_path, monkeypatch):
@@ -129,3 +140,39 @@ def corrupt_rgba_png(tmp_path) -> str:
 def test_a_png_broken_past_its_header_is_refused(tmp_path, broken, may_hold_gil):
     with pytest.raises(UserError, match="could not be read as an image"):
         load_image_pixels(broken(tmp_path), may_hold_gil)
+
+
+@pytest.mark.parametrize("before_the_pixels", [True, False])
+def test_a_png_of_too_many_chunks_is_refused_before_any_decoder_reads_them(tmp_path, monkeypatch, before_the_pixels):
+    """16.6 M empty chunks (199 MB) held PIL's opening 49 s and 2.9 GB (a helper's attack): the chunks are
+    counted from their headers first, and one past MAX_PNG_CHUNKS is refused wherever it is read."""
+    from app import limits
+    from app.media.images import check_image
+
+    monkeypatch.setattr(limits, "MAX_PNG_CHUNKS", 50)
+    fine, stuffed = str(tmp_path / "fine.png"), str(tmp_path / "stuffed.png")
+    for path, count in ((fine, 40), (stuffed, 60)):
+        Image.new("RGB", (64, 48), (10, 200, 30)).save(path)
+        with_chunks(path, chunk(b"abCd", b"") * count, before_the_pixels)
+    assert load_image_pixels(fine, True)[:, 0, 0].tolist() == [10, 200, 30]
+    for read in (check_image, image_size, load_image, lambda path: load_thumbnail(path, 32),
+                 load_image_pixels, lambda path: load_image_pixels(path, True)):
+        with pytest.raises(UserError, match="could not be read as an image"):
+            read(stuffed)
+
+
+def test_a_png_whose_chunks_are_out_of_order_or_that_turns_twice_is_refused(tmp_path):
+    """IHDR comes first; one eXIf chunk at most (PIL's preview and the model would each take another)."""
+    path = str(tmp_path / "twice.png")
+    Image.new("RGB", (30, 50), (1, 2, 3)).save(path)
+    with_chunks(path, exif_chunk(1), before_the_pixels=True)
+    assert image_size(path) == (50, 30)
+    with_chunks(path, exif_chunk(6))
+    with pytest.raises(UserError, match="could not be read as an image"):
+        image_size(path)
+    first = str(tmp_path / "first.png")
+    Image.new("RGB", (30, 50), (1, 2, 3)).save(first)
+    png = open(first, "rb").read()
+    open(first, "wb").write(png[:8] + chunk(b"tEXt", b"Comment\0before IHDR") + png[8:])
+    with pytest.raises(UserError, match="could not be read as an image"):
+        load_image_pixels(first, True)

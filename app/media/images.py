@@ -4,6 +4,7 @@ import functools
 import os
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from PIL import ExifTags, Image, ImageOps
 
@@ -18,6 +19,7 @@ from app.media.files import check_local_file
 # decoded by libspng where the caller may hold the GIL, else by OpenCV (D53); any other by PIL.
 _TENSOR_DECODED_FORMATS = ("JPEG",)
 _PNG_RGB8 = (8, 2)  # IHDR's bit depth and colour type
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WHITE = (255, 255, 255, 255)
 
 
@@ -57,24 +59,46 @@ def _orientation(image: Image.Image, path: str) -> int:
     before its pixels, PIL's getexif() decodes the whole image to look for one after them (an 8000x8000 PNG:
     0.9 s and 275 MB), so a PNG's chunks are read here instead."""
     if image.format == "PNG":
-        return _png_orientation(path)
+        return _png_layout(path).orientation
     return image.getexif().get(ExifTags.Base.Orientation, 1)
 
 
-def _png_orientation(path: str) -> int:
-    """The orientation in a PNG's eXIf chunk, wherever it lies, reading the chunks' headers alone; 1 if none."""
+@dataclass(frozen=True)
+class PngLayout:
+    """What a PNG's chunk headers say, read without its pixels."""
+
+    bit_depth: int
+    colour_type: int
+    orientation: int  # its eXIf chunk's, wherever it lies; 1 (upright) without one
+
+
+def _png_layout(path: str) -> PngLayout | None:
+    """A PNG's layout from its chunk headers, read one by one; None for a file that is no PNG. Refused as
+    unreadable: IHDR not first, two eXIf chunks (PIL's preview and the model would each take another one), or
+    more than MAX_PNG_CHUNKS chunks (16.6 M empty ones, 199 MB, held PIL's opening 49 s and 2.9 GB)."""
+    refused = UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
     with open(path, "rb") as file:
-        file.seek(8)  # the signature
-        while len(header := file.read(8)) == 8:
-            length, kind = int.from_bytes(header[:4], "big"), header[4:]
-            if kind == b"eXIf":
+        if file.read(len(_PNG_SIGNATURE)) != _PNG_SIGNATURE:
+            return None
+        ihdr = file.read(8 + 13 + 4)  # its length, its type, its 13 bytes, its checksum
+        if len(ihdr) < 25 or ihdr[4:8] != b"IHDR":
+            raise refused
+        orientation = None
+        for _ in range(limits.MAX_PNG_CHUNKS):
+            header = file.read(8)
+            if len(header) < 8 or header[4:] == b"IEND":
+                return PngLayout(bit_depth=ihdr[16], colour_type=ihdr[17], orientation=orientation or 1)
+            length = int.from_bytes(header[:4], "big")
+            if header[4:] != b"eXIf":
+                file.seek(length + 4, os.SEEK_CUR)  # the data and its checksum
+            elif orientation is None:
                 exif = Image.Exif()
                 exif.load(file.read(length))
-                return exif.get(ExifTags.Base.Orientation, 1)
-            if kind == b"IEND":
-                break
-            file.seek(length + 4, os.SEEK_CUR)  # the data and its checksum
-    return 1
+                orientation = exif.get(ExifTags.Base.Orientation, 1)
+                file.seek(4, os.SEEK_CUR)
+            else:
+                raise refused
+    raise refused
 
 
 def load_thumbnail(path: str, longest_side: int) -> Image.Image:
@@ -101,8 +125,9 @@ def load_image_pixels(path: str, may_hold_gil: bool = False):
     waits to run (a preparing worker process), so the faster PNG decoder, which holds the GIL, may be used."""
     with _opened(path) as image:
         image_format = image.format
-        plain_png = image_format == "PNG" and "transparency" not in image.info and _upright(image, path)
-    if plain_png and _png_header(path) == _PNG_RGB8:
+        layout = _png_layout(path) if image_format == "PNG" else None
+        plain = layout is not None and "transparency" not in image.info and layout.orientation == 1
+    if plain and (layout.bit_depth, layout.colour_type) == _PNG_RGB8:
         return _rgb_png_pixels(path, may_hold_gil)
     decode = _tensor_decoder()
     if image_format in _TENSOR_DECODED_FORMATS and decode is not None:
@@ -119,13 +144,6 @@ def load_image_pixels(path: str, may_hold_gil: bool = False):
 
 def _upright(image: Image.Image, path: str) -> bool:
     return _orientation(image, path) == 1
-
-
-def _png_header(path: str) -> tuple[int, int]:
-    """A PNG's (bit depth, colour type), from its IHDR chunk (first, at a fixed place)."""
-    with open(path, "rb") as file:
-        header = file.read(26)
-    return header[24], header[25]
 
 
 def _rgb_png_pixels(path: str, may_hold_gil: bool):
@@ -200,6 +218,7 @@ def _opened(path: str):
     check_local_file(path)
     name = os.path.basename(path)
     try:
+        _png_layout(path)  # a PNG's chunks are counted before PIL reads them
         with Image.open(path) as image:
             # Image.open reads only the header: refuse huge images before their pixels are decoded.
             pixels = image.width * image.height
