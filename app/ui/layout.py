@@ -126,8 +126,9 @@ def _multi_image_tab() -> SimpleNamespace:
     with gr.Tab("Multi-image", id="multi"), gr.Row(elem_classes="media-and-chat"):
         with gr.Column(elem_classes="media-pane"):
             gallery = gr.Gallery(type="filepath", interactive=True, file_types=list(limits.IMAGE_EXTENSIONS),
-                                 columns=4, height=220, object_fit="contain", label="Images, in the order the model sees them",
-                                 buttons=["download", "fullscreen"], elem_id="multi-gallery")  # no Share (style.css)
+                                 columns=4, height=220, object_fit="contain",
+                                 label="Images, in the order the model sees them", buttons=["download", "fullscreen"],
+                                 elem_id="multi-gallery")  # no Share (style.css)
             selected = gr.State(None)
             with gr.Row(elem_classes="gallery-moves"):
                 earlier = gr.Button("◀ Move earlier", size="sm")
