@@ -234,7 +234,7 @@ def test_clearing_the_chat_mid_reply_ends_the_reply_and_it_stays_clear(browser, 
 
 def test_multi_image_replies_are_retried_undone_and_cleared_as_in_chat(browser, server_url, manager, tmp_path):
     """Retry answers the question again, Undo puts it back in the box (the images stay in the gallery and go
-    with it again), and Clear mid-reply ends the reply, which never comes back."""
+    with it again), and Clear mid-reply ends the reply, which never comes back; so does moving an image."""
     page = open_page(browser, server_url)
     try:
         set_max_new_tokens(page, 4000)
@@ -266,6 +266,16 @@ def test_multi_image_replies_are_retried_undone_and_cleared_as_in_chat(browser, 
         assert wait_for(lambda: question not in chat.inner_text(), 15)
         page.wait_for_timeout(1000)
         assert question not in chat.inner_text()  # nothing of it came back
+        # Moving an image starts a new conversation as Clear does: the reply in progress ends, and stays gone.
+        box.fill(question)
+        box.press("Enter")
+        assert wait_for(lambda: question in chat.inner_text() and chat.inner_text().split(question)[-1].strip(), 60)
+        page.locator("#multi-gallery .thumbnail-item.thumbnail-lg").first.click()
+        page.get_by_role("button", name="Move later ▶").click()
+        assert wait_for(lambda: manager.active_generations == 0, 30), "the reply went on after the images changed"
+        assert wait_for(lambda: question not in chat.inner_text(), 15)
+        page.wait_for_timeout(1000)
+        assert question not in chat.inner_text()
     finally:
         page.close()
 

@@ -187,15 +187,16 @@ ATTACHMENTS_KEY = ("(message, camera, ...slicing) => "
 
 
 def _wire_conversation(wiring: SimpleNamespace, chat: gr.Chatbot, box, add_question, question_inputs: list,
-                       question_outputs: list, undo) -> None:
-    """A tab's question, its reply, and the chat's Stop, Retry, Undo (`undo` gives the chat and the box) and Clear."""
+                       question_outputs: list, undo, new_conversation: tuple = ()) -> None:
+    """A tab's question, its reply, and the chat's Stop, Retry, Undo (`undo` gives the chat and the box) and
+    Clear, which the events in `new_conversation` (their listeners) do too (wire_clear)."""
     control = StopControl()
     asked = wire_question(wiring, box, add_question, question_inputs, question_outputs, control)
     retried = chat.retry(wiring.handlers.retry, [chat], [chat], api_visibility="undocumented")
     answers = [asked, wire_answer(wiring, retried, chat, box, control)]
     wire_stop(box, chat, control, answers)
     chat.undo(undo, [chat], [chat, box], api_visibility="undocumented")
-    wire_clear(box, chat, control, answers)
+    wire_clear(box, chat, control, answers, also=new_conversation)
 
 
 def _wire_chat(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
@@ -232,19 +233,18 @@ def _wire_multi_image(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
                        **wiring.previewing)
     tab.filled.then(gallery_images, cost_inputs, [tab.pictures, tab.costs], api_visibility="undocumented",
                     **wiring.previewing)
-    tab.gallery.upload(lambda: [], None, [tab.chat], api_visibility="undocumented")
     # The x on a thumbnail (the gallery's own) removes an image as the Remove button does.
-    tab.gallery.delete(lambda: ([], None), None, [tab.chat, tab.selected], api_visibility="undocumented")
+    tab.gallery.delete(lambda: None, None, [tab.selected], api_visibility="undocumented")
     tab.gallery.select(Handlers.selected_index, None, [tab.selected], api_visibility="undocumented")
+    changed = [tab.gallery.upload, tab.gallery.delete]  # each starts a new conversation
     for button, offset in ((tab.earlier, -1), (tab.later, 1)):
-        button.click(lambda g, i, o=offset: _gallery_at(*Handlers.move_image(g, i, o)), [tab.gallery, tab.selected],
-                     [tab.gallery, tab.selected], api_visibility="undocumented").then(
-            lambda: [], None, [tab.chat], api_visibility="undocumented")
-    tab.remove.click(lambda g, i: _gallery_at(*Handlers.remove_image(g, i)), [tab.gallery, tab.selected],
-                     [tab.gallery, tab.selected],
-                     api_visibility="undocumented").then(lambda: [], None, [tab.chat], api_visibility="undocumented")
+        changed.append(button.click(lambda g, i, o=offset: _gallery_at(*Handlers.move_image(g, i, o)),
+                                    [tab.gallery, tab.selected], [tab.gallery, tab.selected],
+                                    api_visibility="undocumented").then)
+    changed.append(tab.remove.click(lambda g, i: _gallery_at(*Handlers.remove_image(g, i)), [tab.gallery, tab.selected],
+                                    [tab.gallery, tab.selected], api_visibility="undocumented").then)
     _wire_conversation(wiring, tab.chat, tab.box, handlers.add_multi_image_question, [tab.box, tab.gallery, tab.chat],
-                       [tab.chat, tab.box], handlers.undo_question)
+                       [tab.chat, tab.box], handlers.undo_question, new_conversation=tuple(changed))
 
 
 # Gradio's player says "Video not playable" of a video the browser cannot play; once its copy is in the player,

@@ -110,16 +110,18 @@ def wire_answer(wiring: SimpleNamespace, trigger, chatbot, box, control: StopCon
 CLEAR_WAIT_S = 5.0
 
 
-def wire_clear(box, chatbot, control: StopControl, answers: list) -> None:
+def wire_clear(box, chatbot, control: StopControl, answers: list, also: tuple = ()) -> None:
     """The chat's Clear (its bin icon) stops the reply in progress, if any, with nothing more of it sent, then
     empties the chat: the page empties it at once, and the reply's next update put the whole conversation
-    back. On ZeroGPU, whose GPU worker runs the handler, it cancels the reply instead."""
+    back. On ZeroGPU, whose GPU worker runs the handler, it cancels the reply instead. `also`: other events
+    that start a new conversation (their listeners, as `gallery.upload`), which do the same."""
     def clear(request: gr.Request):
         control.silence(request, CLEAR_WAIT_S)
         return [], box_idle()
 
-    chatbot.clear(clear, None, [chatbot, box], cancels=answers if zero_gpu_enabled() else None,
-                  concurrency_limit=None, api_visibility="undocumented")
+    for listener in (chatbot.clear, *also):
+        listener(clear, None, [chatbot, box], cancels=answers if zero_gpu_enabled() else None,
+                 concurrency_limit=None, api_visibility="undocumented")
 
 
 def wire_stop(box, chatbot, control: StopControl, answers: list) -> None:
