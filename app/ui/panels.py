@@ -62,15 +62,18 @@ def reply_controls(defaults, thinking_by_default: bool) -> dict:
             "max_new_tokens": gr.Number(defaults.max_new_tokens, precision=0, step=1, label="Max new tokens",
                                         elem_id="max-new-tokens", min_width=0, scale=0),
         }
-    length = controls["max_new_tokens"]
-    length.blur(lambda value: within_reply_limits(value, defaults.max_new_tokens), [length], [length],
-                api_visibility="private", queue=False)
+    # In the page, at once: a question sent straight after (Enter in its box) reads the field as brought back.
+    # On a server round trip it could read the value typed (a loaded CI machine did).
+    controls["max_new_tokens"].blur(None, [controls["max_new_tokens"]], [controls["max_new_tokens"]],
+                                    js=within_reply_limits(defaults.max_new_tokens))
     return controls
 
 
-def within_reply_limits(value, default: int) -> int:
-    """A reply's length typed in the field, brought within 1 to MAX_NEW_TOKENS_LIMIT (`default` if left empty)."""
-    return default if value is None else min(max(int(value), 1), limits.MAX_NEW_TOKENS_LIMIT)
+def within_reply_limits(default: int) -> str:
+    """The page's function that brings a reply's length typed in the field within 1 to MAX_NEW_TOKENS_LIMIT
+    (`default` if left empty)."""
+    return (f"(value) => (value === null || value === '' || isNaN(value)) ? {default} : "
+            f"Math.min(Math.max(Math.round(value), 1), {limits.MAX_NEW_TOKENS_LIMIT})")
 
 
 # Gradio's sidebar opens from an unlabelled chevron: the sidebar's name is written along it (assets/style.css).
