@@ -280,6 +280,28 @@ def test_multi_image_replies_are_retried_undone_and_cleared_as_in_chat(browser, 
         page.close()
 
 
+def test_taking_the_video_out_mid_reply_ends_the_reply_and_the_chat_stays_clear(browser, server_url, manager, tmp_path):
+    video = make_video(tmp_path, "clip.webm", seconds=3, fps=8, fourcc="VP80")
+    page = open_page(browser, server_url)
+    try:
+        set_max_new_tokens(page, 4000)
+        assert wait_for(lambda: manager.active_generations == 0, 30)
+        page.get_by_role("tab", name="Video").click()
+        page.locator("#video-player input[type=file]").set_input_files(video)
+        assert wait_for(lambda: page.locator("#video-frames .caption-label").count() == 3, 60)
+        chat, question = page.locator("#video-chat"), "What happens, at length?"
+        page.locator("#video-input textarea").fill(question)
+        page.locator("#video-input textarea").press("Enter")
+        assert wait_for(lambda: question in chat.inner_text() and chat.inner_text().split(question)[-1].strip(), 60)
+        page.locator("#video-player").get_by_label("Clear").click()
+        assert wait_for(lambda: manager.active_generations == 0, 30), "the reply went on without its video"
+        assert wait_for(lambda: question not in chat.inner_text(), 15)
+        page.wait_for_timeout(1000)
+        assert question not in chat.inner_text()  # nothing of it came back
+    finally:
+        page.close()
+
+
 def test_a_reply_length_out_of_range_is_brought_within_it_and_never_covers_the_chat(browser, server_url):
     page = open_page(browser, server_url)
     try:

@@ -270,8 +270,9 @@ def _wire_video(wiring: SimpleNamespace, tab: SimpleNamespace) -> None:
     tab.video.change(None, [tab.video], None, js=DISMISS_UNPLAYABLE_ERROR)
     for control in (tab.settings["video_fps"], tab.settings["video_max_frames"]):
         control.change(previews.video_frames, sampling, [tab.info, tab.frames], api_visibility="undocumented", **previewing)
+    # A video put in or taken out by the user (not its browser copy arriving: a change) starts a new conversation.
     _wire_conversation(wiring, tab.chat, tab.box, handlers.add_video_question, [tab.box, tab.video, tab.chat],
-                       [tab.chat, tab.box], handlers.undo_question)
+                       [tab.chat, tab.box], handlers.undo_question, new_conversation=(tab.video.upload, tab.video.clear))
 
 
 def _wire_api(wiring: SimpleNamespace, api: SimpleNamespace) -> None:
