@@ -85,6 +85,9 @@ def cancellable(handler, blocks, control: StopControl | None = None):
             while (update := await anyio.to_thread.run_sync(next, updates, _END, abandon_on_cancel=True,
                                                             limiter=blocks.limiter)) is not _END:
                 if control.silenced(stop):
+                    # Gradio sends a generator's last update again as its event completes, and that could reach
+                    # the page after the Clear that silenced it: the last update changes nothing.
+                    yield tuple(gr.skip() for _ in update) if isinstance(update, tuple) else gr.skip()
                     break
                 yield update
         finally:
