@@ -48,10 +48,8 @@ class StopControl:
         """Stop the session's replies with nothing more of theirs sent to the page, and wait (up to `timeout`
         s) until their handlers have ended: what the page is given next is the last it shows (a Clear)."""
         with self._lock:
-            stops = list(self._running.get(request.session_hash, ()))
-            self._silenced.update(stops)
-        for stop in stops:
-            stop.set()
+            self._silenced.update(self._running.get(request.session_hash, ()))
+        self.stop(request)
         with self._lock:
             self._lock.wait_for(lambda: request.session_hash not in self._running, timeout)
 
