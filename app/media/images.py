@@ -25,7 +25,7 @@ WHITE = (255, 255, 255, 255)
 
 def load_image(path: str) -> Image.Image:
     """The image as an upright RGB PIL image, what is transparent in it on white."""
-    with _opened(path) as image:
+    with _opened(path) as (image, _):
         image.load()
         return _rgb_on_white(ImageOps.exif_transpose(image))
 
@@ -49,18 +49,16 @@ _QUARTER_TURNS = (5, 6, 7, 8)
 
 def image_size(path: str) -> tuple[int, int]:
     """(height, width) of the image upright, as load_image gives it, from its header alone."""
-    with _opened(path) as image:
-        turned = _orientation(image, path) in _QUARTER_TURNS
+    with _opened(path) as (image, png):
+        turned = _orientation(image, png) in _QUARTER_TURNS
         return (image.width, image.height) if turned else (image.height, image.width)
 
 
-def _orientation(image: Image.Image, path: str) -> int:
+def _orientation(image: Image.Image, png: "PngLayout | None") -> int:
     """The image's EXIF orientation (1: upright), without decoding its pixels: for a PNG without an eXIf chunk
     before its pixels, PIL's getexif() decodes the whole image to look for one after them (an 8000x8000 PNG:
-    0.9 s and 275 MB), so a PNG's chunks are read here instead."""
-    if image.format == "PNG":
-        return _png_layout(path).orientation
-    return image.getexif().get(ExifTags.Base.Orientation, 1)
+    0.9 s and 275 MB), so a PNG's is taken from its chunks (`png`, _png_layout) instead."""
+    return png.orientation if png is not None else image.getexif().get(ExifTags.Base.Orientation, 1)
 
 
 @dataclass(frozen=True)
@@ -104,7 +102,7 @@ def _png_layout(path: str) -> PngLayout | None:
 def load_thumbnail(path: str, longest_side: int) -> Image.Image:
     """The image upright in RGB, shrunk to at most `longest_side` pixels a side (JPEGs decoded at a fraction
     of their size: a preview costs the web process little)."""
-    with _opened(path) as image:
+    with _opened(path) as (image, _):
         image.draft("RGB", (longest_side, longest_side))
         upright = _rgb_on_white(ImageOps.exif_transpose(image))
     upright.thumbnail((longest_side, longest_side))
@@ -123,11 +121,10 @@ def load_image_pixels(path: str, may_hold_gil: bool = False):
     """The image as an upright RGB uint8 tensor [3, height, width], as load_image's pixels, faster for
     JPEG and 8-bit RGB PNG. Other formats go through PIL. `may_hold_gil`: no other thread of this process
     waits to run (a preparing worker process), so the faster PNG decoder, which holds the GIL, may be used."""
-    with _opened(path) as image:
+    with _opened(path) as (image, png):
         image_format = image.format
-        layout = _png_layout(path) if image_format == "PNG" else None
-        plain = layout is not None and "transparency" not in image.info and layout.orientation == 1
-    if plain and (layout.bit_depth, layout.colour_type) == _PNG_RGB8:
+        plain = png is not None and "transparency" not in image.info and png.orientation == 1
+    if plain and (png.bit_depth, png.colour_type) == _PNG_RGB8:
         return _rgb_png_pixels(path, may_hold_gil)
     decode = _tensor_decoder()
     if image_format in _TENSOR_DECODED_FORMATS and decode is not None:
@@ -140,10 +137,6 @@ def load_image_pixels(path: str, may_hold_gil: bool = False):
     from torchvision.transforms.functional import pil_to_tensor
 
     return pil_to_tensor(load_image(path))
-
-
-def _upright(image: Image.Image, path: str) -> bool:
-    return _orientation(image, path) == 1
 
 
 def _rgb_png_pixels(path: str, may_hold_gil: bool):
@@ -192,12 +185,12 @@ _JPEG_END = b"\xff\xd9"
 def jpeg_for_the_device(path: str) -> tuple[int, int] | None:
     """(height, width) of a JPEG that the engine may decode on its GPU (see above), from its header and its
     last bytes; None for any other image. Refuses what check_image refuses."""
-    with _opened(path) as image:
+    with _opened(path) as (image, png):
         if image.format != "JPEG" or image.mode != "RGB" or image.info.get("adobe_transform", 1) != 1:
             return None
         if tuple(layer[0] for layer in getattr(image, "layer", ())) == _RGB_COMPONENT_IDS:
             return None
-        if not _upright(image, path):
+        if _orientation(image, png) != 1:
             return None
         size = (image.height, image.width)
     with open(path, "rb") as file:
@@ -214,18 +207,19 @@ def check_shape(name: str, width: int, height: int) -> None:
 
 @contextmanager
 def _opened(path: str):
-    """The image, opened (only its header read) and checked; errors become the user's messages."""
+    """(the image, opened (only its header read) and checked, and a PNG's layout, read first: its chunks are
+    counted before PIL reads them); errors become the user's messages."""
     check_local_file(path)
     name = os.path.basename(path)
     try:
-        _png_layout(path)  # a PNG's chunks are counted before PIL reads them
+        png = _png_layout(path)
         with Image.open(path) as image:
             # Image.open reads only the header: refuse huge images before their pixels are decoded.
             pixels = image.width * image.height
             if pixels > limits.MAX_IMAGE_PIXELS:
                 raise UserError(MSG_IMAGE_TOO_LARGE.format(name=name, limit=limits.MAX_IMAGE_PIXELS))
             check_shape(name, image.width, image.height)
-            yield image
+            yield image, png
     except UserError:
         raise
     except Image.DecompressionBombError as error:  # PIL's own guard fires inside open() for the largest ones
