@@ -11,6 +11,7 @@ from transformers import AutoModelForImageTextToText
 
 from app.model.backends import FusedText
 from app.model.runner import BatchRunner
+from app.model.text.fused import padded_output_weight
 from app.model.text.layers import TransformersText
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 
@@ -113,6 +114,38 @@ def test_fused_prefill_gives_transformers_logits_and_state(config, tmp_path):
                     scale = float(theirs[layer][slot].abs().max().clamp_min(1))
                     torch.testing.assert_close(mine[layer][slot], theirs[layer][slot], rtol=1e-4,
                                                atol=2e-4 * scale)
+
+
+@pytest.mark.parametrize("config", [TINY_CONFIG, VARIED_CONFIG], ids=["tied", "untied"])
+def test_an_output_layer_padded_to_aligned_rows_gives_the_same_logits_and_takes_no_more_memory(config, tmp_path):
+    # On a GPU the output layer's rows are padded (OUTPUT_ROWS_MULTIPLE); here it is done by hand.
+    model = tiny_model(config, tmp_path)
+    runner = BatchRunner(model)
+    fused = runner.text.fused
+    vocab = model.config.text_config.vocab_size
+    weight, embedding = model.lm_head.weight.detach().clone(), model.model.language_model.embed_tokens.weight
+    torch.manual_seed(2)
+    prompts = [(text_prompt(model, length), None, None) for length in (5, 9)]
+    tokens = torch.randint(0, vocab, (2,))
+    with torch.inference_mode():
+        runner.prefill(prompts, 0, 64)
+        positions, before = runner.store.lengths[:2].clone(), snapshot(runner.store)
+        expected = fused.decode(tokens, positions.clone())
+        restore(runner.store, before)
+    fused.output_weight = padded_output_weight(model.lm_head, 64)
+    assert vocab % 64 and fused.output_weight.shape[0] == -(-vocab // 64) * 64
+    assert not fused.output_weight[vocab:].any()
+    # The layer keeps a view of the padded rows, the same values; a tied input embedding still shares it.
+    assert model.lm_head.weight.data_ptr() == fused.output_weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, weight)
+    assert (embedding is model.lm_head.weight) == config["tie_word_embeddings"]
+    with torch.inference_mode():
+        padded = fused.decode(tokens, positions.clone())
+        assert padded.shape == (2, vocab)
+        torch.testing.assert_close(padded, expected, rtol=0, atol=1e-6)
+        restore(runner.store, before)
+        assert torch.equal(runner.text.through_transformers.decode_step(tokens, positions.clone()).argmax(-1),
+                           expected.argmax(-1))
 
 
 class LinearSubclass(torch.nn.Linear):  # as bitsandbytes' 4-bit layers are

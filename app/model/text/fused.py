@@ -123,6 +123,27 @@ def merge_parameters(*linears: torch.nn.Linear, name: str = "weight") -> torch.T
     return merged
 
 
+# cuBLAS's vectorized matrix products need rows of a multiple of 8 bf16 values. The real vocabulary (248,094)
+# is not one, so the output layer's logits [rows, vocab] left it an align-2 kernel: 0.50 ms of a 4.6 ms step
+# at 200 rows on an H200, against about 0.12 of weight reading (docs/DECISIONS.md D54).
+OUTPUT_ROWS_MULTIPLE = 64
+
+
+def padded_output_weight(lm_head: torch.nn.Linear, multiple: int) -> torch.Tensor:
+    """The output layer's weight with zero rows added up to a multiple of `multiple` rows, the layer (and
+    the input embedding, where tied to it) keeping a view of its first rows, so that no memory is added."""
+    weight = lm_head.weight
+    rows = weight.shape[0]
+    padded_rows = -(-rows // multiple) * multiple
+    if padded_rows == rows:
+        return weight.detach()
+    padded = weight.new_zeros((padded_rows, weight.shape[1]))
+    with torch.no_grad():
+        padded[:rows] = weight
+    weight.data = padded[:rows]  # the Parameter object stays: a tied embedding shares it
+    return padded
+
+
 def _norm_weight(norm) -> torch.Tensor:
     """The model's zero-centred RMSNorm scale (1 + w) in fp32."""
     return 1.0 + norm.weight.detach().float()
@@ -317,7 +338,10 @@ class FusedTextModel:
         text = model.model.language_model
         self.store = store
         self.embed = text.embed_tokens
-        self.lm_head = model.lm_head
+        self.vocab = model.lm_head.weight.shape[0]
+        # Padded on a GPU only: the CPU's products gain nothing from it.
+        multiple = OUTPUT_ROWS_MULTIPLE if model.lm_head.weight.is_cuda else 1
+        self.output_weight = padded_output_weight(model.lm_head, multiple)
         self.eps = text.config.rms_norm_eps
         self.layers = []
         for layer in text.layers:
@@ -375,4 +399,4 @@ class FusedTextModel:
 
     def _logits(self, hidden, residual):
         normed, _ = text_ops.add_rms_norm(hidden, residual, self.final_norm, self.eps)
-        return text_ops.linear(normed, self.lm_head.weight)
+        return text_ops.linear(normed, self.output_weight)[:, :self.vocab]
