@@ -3,6 +3,7 @@ knobs the environment sets, logging tagged with the process's kind, signals, Pyt
 torch's threads (for the engine once its device is known: engine_device_chosen), and gc.freeze. The processes: the one started by `python app.py` (the only one, or the
 parent of the others), the engine process, the web processes, the fronts and the preparing workers."""
 
+import ctypes
 import gc
 import logging
 import signal
@@ -32,6 +33,25 @@ def start_process(kind: str | None = None, on_sigterm: Callable[[], None] | None
         import torch
 
         torch.set_num_threads(torch_threads)
+
+
+def hold_freed_memory(megabytes: int) -> None:
+    """glibc's malloc keeps up to `megabytes` of freed memory for reuse: blocks below that size come from the
+    heap, not from fresh pages, and a free heap top below it is not handed back. Without this, glibc's
+    thresholds grow to about 2x the last large block freed, and memory handed back is faulted in again
+    page by page at the next use. Elsewhere than on glibc, nothing is done."""
+    if megabytes <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # another C library (musl)
+        return
+    for option in (_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD):
+        mallopt(option, megabytes << 20)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 def engine_device_chosen(device: str) -> None:

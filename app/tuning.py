@@ -92,6 +92,11 @@ SWITCH_INTERVAL_S = 0.0005
 # A reply's stats say how long its preprocessing waited for a free preparer (a busy server) from this long.
 PREPARATION_WAIT_SHOWN_MS = 50
 PREPARE_CONCURRENCY = 4  # requests whose images are decoded and sliced at once
+# A preparing worker process keeps up to this many MB of freed memory for its next request, rather than
+# handing it back and faulting it in again: glibc returned a PNG's file bytes and pixels after each one,
+# 4.6 of 39 ms of a 1344x1344 noise PNG's preparation on a dev core (docs/DECISIONS.md D54). 0: glibc's own
+# thresholds.
+PREPARER_HELD_MEMORY_MB = 64
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
 WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen
 # --web-processes: front processes (the proxy at the public address) when --front-processes is 0. The front
@@ -151,6 +156,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "JPEG_ON_DEVICE",
     "SWITCH_INTERVAL_S",
     "PREPARE_CONCURRENCY",
+    "PREPARER_HELD_MEMORY_MB",
     "STREAM_UPDATE_INTERVAL_S",
     "STREAM_UPDATES_PER_S",
     "CHAT_UPDATE_CHARS_PER_S",

@@ -4,7 +4,8 @@ rendered and tokenized. The processor as transformers ships it (given a PIL imag
 app loads (patches cut by a reshape, slices kept in uint8, given the decoded tensor), and the app's processor through one
 worker process (app.engine.preparers, as on a GPU box: the hop and the pixels' way back included); the
 decoding of the PNG alone is timed apart (the app's decoders, OpenCV on a thread and libspng in a preparing
-worker process, and PIL's), and the same pixels as a JPEG. Only the processor's configuration matters here, so
+worker process, and PIL's), and the same pixels as a JPEG. `MINICPMV_PREPARER_HELD_MEMORY_MB=0` runs the
+worker as before D54. Only the processor's configuration matters here, so
 the tiny checkpoint (same image and video processors as the real one) stands in:
 
     python benchmarks/prepare.py --runs 9 --json prepare.json
@@ -62,6 +63,9 @@ def main() -> None:
                                                                           pixel_dtype=torch.bfloat16), args.runs)[0], 1)
     worker = ProcessPreparer(folder, False, 1, torch.bfloat16)
     row["app_in_a_worker_process_ms"] = round(timed(lambda: None, lambda: worker.prepare(messages, settings, 32768), args.runs)[0], 1)
+    # As on a GPU box (JPEG_ON_DEVICE): the engine slices the image, the worker decodes it.
+    gpu_path = lambda: worker.prepare(messages, settings, 32768, jpegs_on_device=True)  # noqa: E731
+    row["app_in_a_worker_process_gpu_path_ms"] = round(timed(lambda: None, gpu_path, args.runs)[0], 1)
     worker.close()
     print(json.dumps(row), flush=True)
     write_json(args.json, row)

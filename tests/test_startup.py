@@ -6,6 +6,8 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from tests.conftest import ROOT, free_port
 
 
@@ -92,6 +94,31 @@ def test_every_process_hands_the_gil_over_often_and_freezes_what_it_started_with
     env = {**os.environ, "MINICPMV_SWITCH_INTERVAL_S": "0.002", "MINICPMV_MAX_IMAGES_PER_REQUEST": "3"}
     changed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert changed.stdout.split() == ["0.002", "True", "3"], changed.stderr[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("megabytes", [0, 64])
+def test_a_process_that_holds_freed_memory_decodes_a_png_without_faulting_its_memory_in_again(megabytes, tmp_path):
+    """A preparing worker keeps freed memory (tuning.PREPARER_HELD_MEMORY_MB): without it, glibc handed a
+    PNG's file bytes and pixels back after each decode, and the next one faulted them in again page by page
+    (docs/DECISIONS.md D54)."""
+    import numpy as np
+    from PIL import Image
+
+    path = str(tmp_path / "noise.png")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)).save(path)
+    script = ("import resource, sys; from app.startup import hold_freed_memory; "
+              "from app.media.images import load_image_pixels; hold_freed_memory(int(sys.argv[1]))\n"
+              "faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+              "for _ in range(3): load_image_pixels(sys.argv[2], True)\n"
+              "before = faults()\n"
+              "for _ in range(5): load_image_pixels(sys.argv[2], True)\n"
+              "print((faults() - before) // 5)")
+    result = subprocess.run([sys.executable, "-c", script, str(megabytes), path], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    faults_a_png = int(result.stdout)
+    # The file (3.2 MB) and its pixels (3.1 MB) are about 1,600 pages of 4 KB.
+    assert faults_a_png > 1_000 if megabytes == 0 else faults_a_png < 50, (faults_a_png, result.stderr[-2000:])
 
 
 def test_a_limit_that_is_not_a_number_is_refused_in_one_line():

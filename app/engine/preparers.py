@@ -187,9 +187,10 @@ _slot_buffers: list = []  # the PixelSlots' buffers, as this worker sees them
 
 def _load_processor(path: str, trust_remote_code: bool, ready, slot_buffers: list) -> None:
     global _processor, _slot_buffers
-    from app.startup import start_process
+    from app.startup import hold_freed_memory, start_process
 
     start_process("preparer", torch_threads=1)  # many workers side by side: one core each
+    hold_freed_memory(tuning.PREPARER_HELD_MEMORY_MB)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     _processor = load_processor(path, trust_remote_code)
     _slot_buffers = slot_buffers

@@ -123,17 +123,15 @@ def merge_parameters(*linears: torch.nn.Linear, name: str = "weight") -> torch.T
     return merged
 
 
-# cuBLAS's vectorized matrix products need rows of a multiple of 8 bf16 values. The real vocabulary (248,094)
-# is not one, so the output layer's logits [rows, vocab] left it an align-2 kernel: 0.50 ms of a 4.6 ms step
-# at 200 rows on an H200, against about 0.12 of weight reading (docs/DECISIONS.md D54).
+# cuBLAS's fast kernels need rows of a multiple of 8 values: logits [rows, 248,094] (the real vocabulary) took
+# an align-2 kernel, 0.50 ms of a 4.6 ms step at 200 rows on an H200 (docs/DECISIONS.md D54).
 OUTPUT_ROWS_MULTIPLE = 64
 
 
 def padded_output_weight(lm_head: torch.nn.Linear, multiple: int) -> torch.Tensor:
-    """The output layer's weight with zero rows added up to a multiple of `multiple` rows, the layer (and
-    the input embedding, where tied to it) keeping a view of its first rows, so that no memory is added."""
-    weight = lm_head.weight
-    rows = weight.shape[0]
+    """The output layer's weight with zero rows up to a multiple of `multiple`; the layer (and a tied input
+    embedding) keeps a view of its first rows, so that no memory is added."""
+    weight, rows = lm_head.weight, lm_head.weight.shape[0]
     padded_rows = -(-rows // multiple) * multiple
     if padded_rows == rows:
         return weight.detach()
