@@ -5,6 +5,7 @@ Model messages are plain dicts: {"role": "user" | "assistant", "content": [part,
 may also be {"role": "system", "content": [text parts]} (the OpenAI-compatible API's, app.web.openai_request).
 """
 
+import os
 import re
 
 from app.media.files import media_kind, source_of
@@ -87,6 +88,13 @@ def user_content(text: str, paths: list[str]) -> list[dict]:
     if text.strip():
         parts.append({"type": "text", "text": text})
     return parts
+
+
+def plain_file(path: str) -> dict:
+    """A file the chat shows by its name, never drawn as a picture or played: a refused upload may be none
+    (a broken-image icon was all the chat showed of one)."""
+    return {"type": "file", "file": {"path": path, "mime_type": "application/octet-stream",
+                                     "orig_name": os.path.basename(path)}}
 
 
 ERROR_TITLE = "⚠️ "  # starts the title of error_message, and of nothing else in a chat

@@ -35,20 +35,24 @@ def start_process(kind: str | None = None, on_sigterm: Callable[[], None] | None
         torch.set_num_threads(torch_threads)
 
 
-def hold_freed_memory(megabytes: int) -> None:
-    """glibc's malloc keeps up to `megabytes` of freed memory for reuse: blocks below that size come from the
-    heap, not from fresh pages, and a free heap top below it is not handed back. Without this, glibc's
-    thresholds grow to about 2x the last large block freed, and memory handed back is faulted in again
-    page by page at the next use. Elsewhere than on glibc, nothing is done."""
+def hold_freed_memory(megabytes: int) -> bool:
+    """glibc's malloc keeps up to `megabytes` of freed memory for reuse: blocks below that size (at most 32 MB,
+    the most older glibc takes) come from the heap, not from fresh pages, and a free heap top below it is not
+    handed back. Without this, glibc's thresholds follow the last large block freed, and memory handed back
+    is faulted in again page by page at the next use. Whether it was done: not elsewhere than on glibc."""
     if megabytes <= 0 or not sys.platform.startswith("linux"):
-        return
+        return False
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # another C library (musl)
-        return
-    for option in (_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD):
-        mallopt(option, megabytes << 20)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    held = min(megabytes, 1024) << 20
+    # The mmap threshold first: setting either one stops glibc adjusting the other, so neither is set unless it
+    # takes this one.
+    if not mallopt(_M_MMAP_THRESHOLD, min(held, 32 << 20)):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, held))
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h

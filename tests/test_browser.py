@@ -174,6 +174,9 @@ def test_a_file_that_is_no_image_is_refused_in_the_chat_without_covering_it(brow
         assert "Hello" in chat_text(page) and page.get_by_text(STATS_LINE).count() >= 1
         assert page.locator("#chat .error, #chat-input .error").count() == 0  # no "Error" box over them
         assert page.locator("#chat-input textarea").input_value() == "And this?"
+        # The refused file is shown by its name, not drawn as a broken picture.
+        assert page.locator("#chat").get_by_text("notimage.png").count() >= 1
+        assert page.locator("#chat img[src*='notimage'], #chat-input img").count() == 0
         page.screenshot(path=os.path.join(ARTIFACTS, "refused-file.png"), full_page=True)
     finally:
         page.close()

@@ -3,7 +3,7 @@
 import gradio as gr
 import pytest
 
-from app.chat import history_to_messages, is_error
+from app.chat import box_value, history_to_messages, is_error, plain_file
 from app.engine.stop_signal import StopSignal
 from app.ui.handlers import SETTING_KEYS, Handlers, stats_message
 from app.ui.replying import question_then_answer
@@ -65,12 +65,23 @@ def test_bad_upload_is_refused_before_the_model(handlers, tmp_path):
     broken.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     sent = {"text": "What?", "files": [str(broken)]}
     history, box, camera = handlers.add_chat_message(sent, None, [])
-    assert [m["content"] for m in history[:2]] == [{"path": str(broken)}, "What?"]
+    # The refused file is shown by its name, not drawn as a picture (a broken-image icon was all the chat showed).
+    assert [m["content"] for m in history[:2]] == [plain_file(str(broken)), "What?"]
+    assert history[0]["content"]["file"]["mime_type"] == "application/octet-stream"
     assert is_error(history[-1]) and "could not be read" in history[-1]["content"] and len(history) == 3
-    assert box == sent and camera is None
+    assert box == {"text": "What?", "files": [plain_file(str(broken))["file"]]} and camera is None  # by its name too
     assert history_to_messages(history) == []  # a failed turn never reaches the model
+    assert box_value(history[:2]) == {"text": "What?", "files": [str(broken)]}  # what Undo hands back
     with pytest.raises(gr.Error, match="Type a question"):
         handlers.add_chat_message({"text": " ", "files": []}, None, [])
+
+
+def test_a_refused_image_among_several_is_the_only_one_shown_by_its_name(handlers, red_image, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    history, box = handlers.add_multi_image_question("Which?", [red_image, str(broken)], [])
+    assert [m["content"] for m in history[:3]] == [{"path": red_image}, plain_file(str(broken)), "Which?"]
+    assert is_error(history[-1]) and box == "Which?"
 
 
 def test_an_image_broken_past_its_header_is_explained_in_the_reply(handlers, manager, red_image, tmp_path):
@@ -136,10 +147,10 @@ def test_a_question_refused_before_it_is_asked_is_explained_in_the_chat_and_stay
     updates = list(answer(sent, red_image, earlier, *settings_values(manager)))
     assert len(updates) == 1
     history, box, camera = updates[0]
-    assert history[:2] == earlier and [m["content"] for m in history[2:5]] == [{"path": str(fake)}, {"path": red_image},
+    assert history[:2] == earlier and [m["content"] for m in history[2:5]] == [plain_file(str(fake)), {"path": red_image},
                                                                                "What is this?"]
     assert is_error(history[-1]) and "could not be read as an image" in history[-1]["content"] and len(history) == 6
-    assert box == sent and camera == red_image
+    assert box == {**sent, "files": [plain_file(str(fake))["file"]]} and camera == red_image
     assert history_to_messages(history) == history_to_messages(earlier)
 
     updates = list(answer({"text": "  ", "files": []}, None, earlier, *settings_values(manager)))

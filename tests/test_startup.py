@@ -108,7 +108,8 @@ def test_a_process_that_holds_freed_memory_decodes_a_png_without_faulting_its_me
     path = str(tmp_path / "noise.png")
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)).save(path)
     script = ("import resource, sys; from app.startup import hold_freed_memory; "
-              "from app.media.images import load_image_pixels; hold_freed_memory(int(sys.argv[1]))\n"
+              "from app.media.images import load_image_pixels\n"
+              "if int(sys.argv[1]) and not hold_freed_memory(int(sys.argv[1])): sys.exit(3)\n"
               "faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
               "for _ in range(3): load_image_pixels(sys.argv[2], True)\n"
               "before = faults()\n"
@@ -116,6 +117,8 @@ def test_a_process_that_holds_freed_memory_decodes_a_png_without_faulting_its_me
               "print((faults() - before) // 5)")
     result = subprocess.run([sys.executable, "-c", script, str(megabytes), path], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
+    if result.returncode == 3:
+        pytest.skip("this C library's malloc does not take the thresholds (not glibc)")
     faults_a_png = int(result.stdout)
     # The file (3.2 MB) and its pixels (3.1 MB) are about 1,600 pages of 4 KB.
     assert faults_a_png > 1_000 if megabytes == 0 else faults_a_png < 50, (faults_a_png, result.stderr[-2000:])

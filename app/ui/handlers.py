@@ -22,7 +22,7 @@ from app.messages import (
     MSG_VIDEO_NEEDS_VIDEO,
     MSG_WAITING,
 )
-from app.chat import (box_value, error_message, history_to_messages, reply_for_display, reply_text,
+from app.chat import (box_value, error_message, history_to_messages, plain_file, reply_for_display, reply_text,
                       strip_reasoning, user_content)
 from app.engine.settings import parse_flag
 from app.errors import UserError
@@ -160,14 +160,18 @@ def _error_reply(message: str) -> dict:
     return error_message(message)
 
 
-def _refusal_of(paths: list[str]) -> dict | None:
-    """The error reply for the first of `paths` that is refused (from what can be read quickly), or None."""
-    try:
-        for path in paths:
+def _checked_turn(paths: list[str]) -> tuple[list[dict], str | None, dict | None]:
+    """The user messages of `paths`, the first of them that is refused (from what can be read quickly) and the
+    error reply for it, or None and None. The refused file is shown by its name (app.chat.plain_file)."""
+    refused, reply = None, None
+    for path in paths:
+        try:
             _check_upload(path)
-    except UserError as error:
-        return _error_reply(str(error))
-    return None
+        except UserError as error:
+            refused, reply = path, _error_reply(str(error))
+            break
+    turn = [{"role": "user", "content": plain_file(path) if path == refused else {"path": path}} for path in paths]
+    return turn, refused, reply
 
 
 class Handlers:
@@ -243,13 +247,14 @@ class Handlers:
             paths.append(camera_image)
         if not text.strip() and not paths:
             raise refusal(MSG_EMPTY_CHAT)
-        turn = [{"role": "user", "content": {"path": path}} for path in paths]
+        turn, refused, reply = _checked_turn(paths)
         if text.strip():
             turn.append({"role": "user", "content": text})
         history = list(history or []) + turn
-        refused = _refusal_of(paths)
-        if refused is not None:
-            return history + [refused], message, camera_image
+        if reply is not None:  # the box gets the refused file back by its name too
+            files = [plain_file(path)["file"] if path == refused else file
+                     for file, path in zip(message.get("files") or [], paths)]
+            return history + [reply], {**message, "files": files}, camera_image
         return history, None, None
 
     def retry(self, history: list, retry_data: gr.RetryData):
@@ -314,11 +319,11 @@ class Handlers:
             raise refusal(MSG_EMPTY_QUESTION if paths else no_media)
         history = list(history or [])
         first = not any(entry["role"] == "user" for entry in history)
-        turn = [{"role": "user", "content": {"path": path}} for path in paths] if first else []
+        turn, _, reply = _checked_turn(paths if first else [])
         turn.append({"role": "user", "content": question})
-        refused = _refusal_of(paths if first else []) if paths else _error_reply(no_media)
-        if refused is not None:
-            return history + turn + [refused], question
+        reply = reply if paths else _error_reply(no_media)
+        if reply is not None:
+            return history + turn + [reply], question
         return history + turn, ""
 
     def server_load(self) -> list:

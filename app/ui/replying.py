@@ -49,8 +49,8 @@ def question_then_answer(add, inputs: int, respond, cleared: int, placeholder: s
             yield gr.skip(), _told(values[0], ERROR_TITLE + refused.message), *[gr.skip()] * (cleared - 1)
             return
         history = added[0]
-        if ends_in_error(history):
-            yield history, *values[:cleared]
+        if ends_in_error(history):  # the box gets back what was sent, as `add` hands it back
+            yield added
             return
         yield history, box_answering(added[1], placeholder), *added[2:]
         for history in respond(history, settings_dict(values[inputs:]), stop=stop):
