@@ -181,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Run the model in the web server's process. Without it the model runs in a process "
                              "of its own, faster under load: the two do not share Python's GIL. "
                              "[env MINICPMV_IN_PROCESS_ENGINE]")
-    parser.add_argument("--mcp", action="store_true", default=_env_flag("MINICPMV_MCP"),
+    # Gradio's own variable too: the API page's MCP tab tells a user of an app without MCP to set it.
+    parser.add_argument("--mcp", action="store_true",
+                        default=_env_flag("MINICPMV_MCP") or _env_flag("GRADIO_MCP_SERVER"),
                         help="Also serve the model as MCP tools (describe_image, ask_about_images, ask_about_video) "
                              "at /gradio_api/mcp/ (streamable HTTP) and /gradio_api/mcp/sse, behind --auth like "
-                             "the rest. [env MINICPMV_MCP]")
+                             "the rest. [env MINICPMV_MCP or GRADIO_MCP_SERVER]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=not _env_flag("MINICPMV_NO_WARMUP"),
                         help="Skip the warm-up generation at start. [env MINICPMV_NO_WARMUP]")
     return parser

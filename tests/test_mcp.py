@@ -361,6 +361,11 @@ def test_the_flag_and_what_it_does_not_go_with(monkeypatch, capsys):
     assert parse_config(["--mcp"]).mcp
     monkeypatch.setenv("MINICPMV_MCP", "1")
     assert parse_config([]).mcp
+    monkeypatch.delenv("MINICPMV_MCP")
+    assert not parse_config([]).mcp
+    monkeypatch.setenv("GRADIO_MCP_SERVER", "True")  # what the API page's MCP tab says to set, without --mcp
+    assert parse_config([]).mcp
+    monkeypatch.delenv("GRADIO_MCP_SERVER")
     with pytest.raises(SystemExit):
         parse_config(["--mcp", "--web-processes", "2"])
     assert "--web-processes above 1 does not go with --mcp" in capsys.readouterr().err
