@@ -111,6 +111,18 @@ def test_bad_settings_are_refused(client, settings, message):
         stream(client, "Hello", [], settings)
 
 
+@pytest.mark.parametrize("files, kind", [("photo.png", "str"), ({"name": "photo.png"}, "dict"), (7, "int")])
+def test_files_that_are_not_a_list_of_files_are_refused_with_a_message(server_url, files, kind):
+    """Over raw HTTP, as a script would send them: Gradio's own check answered {"error": null}."""
+    import httpx
+
+    call = server_url + "gradio_api/call/ask"
+    event = httpx.post(call, json={"data": ["Hello", files, None]}, timeout=30).json()["event_id"]
+    with httpx.stream("GET", f"{call}/{event}", timeout=60) as events:
+        said = "".join(events.iter_text())
+    assert "event: error" in said and "files must be a list of uploaded files" in said and f"it was a {kind}" in said
+
+
 def test_empty_request_is_refused(client):
     with pytest.raises(AppError, match="Type a question"):
         stream(client, "   ", [], {})

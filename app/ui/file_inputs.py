@@ -10,8 +10,9 @@ every event (chat history included) before Gradio touches any of them.
 import os
 
 import gradio as gr
+from pydantic import ValidationError
 
-from app.messages import MSG_NOT_AN_UPLOAD
+from app.messages import MSG_NOT_AN_UPLOAD, MSG_NOT_FILES
 from app.media.files import shown_name
 from app.ui.refusals import refusal
 
@@ -46,12 +47,26 @@ def inside_folder(path: str, folder: str) -> bool:
     return real.startswith(folder + os.sep) and not os.path.isdir(real)
 
 
+def files_where_files_go(blocks: list, inputs: list) -> None:
+    """Raise gr.Error where a file input (the app's are lists: /ask's) holds something other than files, a bare
+    string say: Gradio's own check of it failed with an error that said nothing (`{"error": null}`). Checked as
+    Gradio checks it."""
+    for block, value in zip(blocks, inputs):
+        if isinstance(block, gr.File) and value is not None:
+            try:
+                block.data_model.model_validate(value, context={"validate_meta": True})
+            except ValidationError:
+                raise refusal(MSG_NOT_FILES.format(label=block.label or "files", kind=type(value).__name__)) from None
+
+
 class UploadsOnlyBlocks(gr.Blocks):
     """gr.Blocks whose events refuse files that were not uploaded to this app, before Gradio moves,
-    downloads or reads any of them (Blocks.validate_inputs runs first in preprocess_data)."""
+    downloads or reads any of them (Blocks.validate_inputs runs first in preprocess_data), and file inputs
+    that hold no files."""
 
     def validate_inputs(self, block_fn, inputs):
         super().validate_inputs(block_fn, inputs)
         from gradio.utils import get_upload_folder
 
         uploaded_files_only(inputs, get_upload_folder())
+        files_where_files_go(block_fn.inputs, inputs)
