@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import ipaddress
 import os
+import sys
 from dataclasses import dataclass
 
 from app import limits, tuning
@@ -192,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mcp_named(argv: list[str] | None) -> str:
+    """--mcp as a refusal names it: where the environment turned it on, which variables can."""
+    given = "--mcp" in (sys.argv[1:] if argv is None else argv)
+    return "--mcp" if given else "--mcp (on by MINICPMV_MCP or GRADIO_MCP_SERVER)"
+
+
 def parse_config(argv: list[str] | None = None) -> AppConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -218,7 +225,7 @@ def parse_config(argv: list[str] | None = None) -> AppConfig:
     if args.web_processes > 1:
         # Login tokens and the model's cached defaults live in each web process; a share link reaches one port.
         clashes = [flag for flag, on in (("--share", args.share), ("--auth", args.auth), ("--allow-model-switch", args.allow_model_switch),
-                                         ("--mcp", args.mcp),  # an MCP SSE session lives in one process
+                                         (_mcp_named(argv), args.mcp),  # an MCP SSE session lives in one process
                                          ("--in-process-engine", not args.engine_process),
                                          ("--backend openai", args.backend == "openai")) if on]
         if clashes:

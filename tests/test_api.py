@@ -111,16 +111,22 @@ def test_bad_settings_are_refused(client, settings, message):
         stream(client, "Hello", [], settings)
 
 
-@pytest.mark.parametrize("files, kind", [("photo.png", "str"), ({"name": "photo.png"}, "dict"), (7, "int")])
-def test_files_that_are_not_a_list_of_files_are_refused_with_a_message(server_url, files, kind):
+@pytest.mark.parametrize("files, what", [("photo.png", "it was a string"), ({"name": "photo.png"}, "it was an object"),
+                                         (7, "it was a number"), ([None], "its item 0 was null"),
+                                         ([{"path": "x.png"}], "its item 0 is no file as handle_file makes one")])
+def test_files_that_are_not_a_list_of_files_are_refused_with_a_message(server_url, files, what):
     """Over raw HTTP, as a script would send them: Gradio's own check answered {"error": null}."""
     import httpx
+    from gradio.utils import get_upload_folder
+
+    if files == [{"path": "x.png"}]:  # an upload's path (no matter that it has gone) without its "meta"
+        files = [{"path": os.path.join(get_upload_folder(), "x.png")}]
 
     call = server_url + "gradio_api/call/ask"
     event = httpx.post(call, json={"data": ["Hello", files, None]}, timeout=30).json()["event_id"]
     with httpx.stream("GET", f"{call}/{event}", timeout=60) as events:
         said = "".join(events.iter_text())
-    assert "event: error" in said and "files must be a list of uploaded files" in said and f"it was a {kind}" in said
+    assert "event: error" in said and "files must be a list of uploaded files" in said and what in said, said
 
 
 def test_empty_request_is_refused(client):

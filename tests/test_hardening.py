@@ -5,7 +5,7 @@ send it), what the user sees, and what the server does:
 
 | attack | the user sees | the server |
 |---|---|---|
-| a file entry whose path is a URL (http(s), a silent server, `rtsp:`), an FFmpeg protocol (`concat:`, `pipe:`), `file://`, a device, a server file, a traversal, a real image outside the uploads; `is_stream` on and off; in /ask and in a forged chat history | "... was not uploaded to this app" | refuses before Gradio moves or fetches anything (app.ui.file_inputs); the canary server gets no request; media decoders take only local files |
+| a file entry whose path is a URL (http(s), a silent server, `rtsp:`), an FFmpeg protocol (`concat:`, `pipe:`), `file://`, a device, a server file, a traversal, a real image outside the uploads, a name past 255 bytes or with a lone surrogate; `is_stream` on and off; in /ask and in a forged chat history | "... was not uploaded to this app" | refuses before Gradio moves or fetches anything (app.ui.file_inputs); the canary server gets no request; media decoders take only local files |
 | corrupt, empty, truncated files; PNGs whose pixel data is corrupt or no zlib stream; a 20000x20000 PNG; a text file named .mp4; 50 images | its message | refuses from the header, serves on |
 | absurd decoding settings beside a streaming reply: temperature 1e-45, 0, -1, NaN, inf, 1e308; top_p, top_k and repetition_penalty likewise | "Setting “temperature”: ..." | refuses; the other reply ends whole and unchanged |
 | a row whose logits are not finite numbers | "This reply could not go on ..." | that row alone fails; the greedy and sampled replies beside it finish |
@@ -336,11 +336,15 @@ def canary():
 
 
 def not_uploaded_paths(canary, tmp_path) -> list[str]:
+    from gradio.utils import get_upload_folder
+
     outside = make_image(tmp_path, "outside.png", (64, 64))  # a real image, but not one the app stored
     return [canary["url"] + "/clip.mp4", canary["url"] + "/photo.png", canary["silent"] + "/clip.mp4",
             "https://example.com/photo.jpg", "rtsp://127.0.0.1:1/stream.mp4", "concat:/etc/hostname|/etc/hostname",
             "pipe:0", "file:///etc/hostname", "/dev/zero", "/etc/hostname", "../../../../etc/hostname", outside,
-            os.path.dirname(outside) + "/../" + os.path.basename(os.path.dirname(outside)) + "/outside.png"]
+            os.path.dirname(outside) + "/../" + os.path.basename(os.path.dirname(outside)) + "/outside.png",
+            # Inside the uploads, but names no file system takes: Gradio's move of them failed ({"error": null}).
+            os.path.join(get_upload_folder(), "a" * 300 + ".png"), os.path.join(get_upload_folder(), "photo\udcff.png")]
 
 
 def file_entry(path: str, is_stream: bool) -> dict:

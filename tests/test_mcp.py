@@ -365,6 +365,9 @@ def test_the_flag_and_what_it_does_not_go_with(monkeypatch, capsys):
     assert not parse_config([]).mcp
     monkeypatch.setenv("GRADIO_MCP_SERVER", "True")  # what the API page's MCP tab says to set, without --mcp
     assert parse_config([]).mcp
+    with pytest.raises(SystemExit):
+        parse_config(["--web-processes", "2"])
+    assert "does not go with --mcp (on by MINICPMV_MCP or GRADIO_MCP_SERVER)" in capsys.readouterr().err
     monkeypatch.delenv("GRADIO_MCP_SERVER")
     with pytest.raises(SystemExit):
         parse_config(["--mcp", "--web-processes", "2"])

@@ -41,8 +41,10 @@ def check_local_file(path) -> None:
 
 
 def shown_name(path) -> str:
-    """A file's name for a message: its last part, cut short."""
+    """A file's name for a message: its last part, cut short, a lone surrogate (which no UTF-8 message can carry:
+    Gradio's event stream broke off on one) shown as "?"."""
     name = os.path.basename(str(path).rstrip("/")) or str(path)
+    name = name.encode("utf-8", "replace").decode("utf-8") if not name.isascii() else name
     return name if len(name) <= 80 else name[:77] + "..."
 
 

@@ -37,9 +37,17 @@ def _file_paths(value):
             yield from _file_paths(item)
 
 
+_LONGEST_NAME = 255  # bytes of one file name, on Linux's file systems
+
+
 def inside_folder(path: str, folder: str) -> bool:
     """Whether `path` lies inside `folder` (a real path) and is no folder, however it is spelled (`..`, links)."""
     if "\0" in path or not os.path.isabs(path):  # a relative path or "scheme:..." is never an upload's
+        return False
+    try:  # nor one the file system cannot name (a lone surrogate, a name past 255 bytes): Gradio failed on them
+        if any(len(part.encode()) > _LONGEST_NAME for part in path.split(os.sep)):
+            return False
+    except UnicodeEncodeError:
         return False
     real = os.path.realpath(path)
     # A name inside the folder whose file has gone (an upload that expired: app.web.uploads) passes: it opens
@@ -56,7 +64,30 @@ def files_where_files_go(blocks: list, inputs: list) -> None:
             try:
                 block.data_model.model_validate(value, context={"validate_meta": True})
             except ValidationError:
-                raise refusal(MSG_NOT_FILES.format(label=block.label or "files", kind=type(value).__name__)) from None
+                raise refusal(MSG_NOT_FILES.format(label=block.label or "files", what=_what_is_wrong(value))) from None
+
+
+def _what_is_wrong(value) -> str:
+    """What of a file list's `value` is not an uploaded file, as a client can put it right."""
+    if not isinstance(value, list):
+        return f"it was {_kind(value)}"
+    from gradio.data_classes import FileData
+
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            return f"its item {index} was {_kind(item)}"
+        try:
+            FileData.model_validate(item, context={"validate_meta": True})
+        except ValidationError:
+            return (f'its item {index} is no file as handle_file makes one (a "path", and "meta": '
+                    '{"_type": "gradio.FileData"})')
+    return "its items are not files"
+
+
+def _kind(value) -> str:
+    kinds = {str: "a string", bool: "true or false", int: "a number", float: "a number", dict: "an object",
+             list: "a list"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 class UploadsOnlyBlocks(gr.Blocks):
