@@ -111,10 +111,12 @@ def main() -> None:
     keys, values = random(5, kv_heads, capacity, head_dim), random(5, kv_heads, capacity, head_dim)
     query = random(n, heads, head_dim)
     positions = torch.tensor([0, 77, 298], device=DEVICE)
-    # On a GPU, Triton's matrix products of fp32 run in TF32.
-    close(text_kernels.attend(query, keys, values, positions, 0.125, projection),
-          text_ops.attend(query, keys, values, positions, 0.125, projection), "attend",
-          atol=1e-5 if DEVICE == "cpu" else 1e-2)
+    reference = text_ops.attend(query, keys, values, positions, 0.125, projection)
+    # The default layout and others: parts that no sequence reaches, sequences that end within a step.
+    for layout in (None, (4, 16, 4, 1), (32, 32, 2, 2)):
+        # On a GPU, Triton's matrix products of fp32 run in TF32.
+        close(text_kernels.attend(query, keys, values, positions, 0.125, projection, layout), reference,
+              f"attend {layout}", atol=1e-5 if DEVICE == "cpu" else 1e-2)
     checked.append("attend")
 
     # The vision tower's: a width off the block size; windows of four tokens, a head size off the block.

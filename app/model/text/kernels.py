@@ -265,22 +265,23 @@ def _attention_part_kernel(query_ptr, keys_ptr, values_ptr, positions_ptr, part_
                            BLOCK_N: tl.constexpr):
     # One program per (sequence, key head, part of the columns): the key head's GROUP query heads against
     # its columns [part * CHUNK, (part + 1) * CHUNK) up to the sequence's own; attention split this way
-    # keeps the whole GPU busy for one sequence (flash-decoding), and columns past a sequence's length
-    # are never read.
+    # keeps the whole GPU busy for one sequence (flash-decoding). A part past a sequence's length reads
+    # and writes nothing: the join reads only the parts a sequence reaches.
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     last = tl.load(positions_ptr + row)
-    g = tl.arange(0, BLOCK_GROUP)
-    d = tl.arange(0, D)
-    heads = kv_head * GROUP + g
-    query = tl.load(query_ptr + (row * HEADS + heads[:, None]) * D + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
-    cache = row * cache_slot_stride + kv_head * cache_head_stride
-    best = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_GROUP], tl.float32)
-    out = tl.zeros([BLOCK_GROUP, D], tl.float32)
-    for start in tl.range(part * CHUNK, part * CHUNK + CHUNK, BLOCK_N):
-        if start <= last:
+    if part * CHUNK <= last:
+        g = tl.arange(0, BLOCK_GROUP)
+        d = tl.arange(0, D)
+        heads = kv_head * GROUP + g
+        query = tl.load(query_ptr + (row * HEADS + heads[:, None]) * D + d[None, :], mask=(g < GROUP)[:, None],
+                        other=0.0)
+        cache = row * cache_slot_stride + kv_head * cache_head_stride
+        best = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_GROUP], tl.float32)
+        out = tl.zeros([BLOCK_GROUP, D], tl.float32)
+        for start in tl.range(part * CHUNK, tl.minimum(part * CHUNK + CHUNK, last + 1), BLOCK_N):
             columns = start + tl.arange(0, BLOCK_N)
             seen = columns <= last
             keys = tl.load(keys_ptr + cache + columns[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)
@@ -293,50 +294,61 @@ def _attention_part_kernel(query_ptr, keys_ptr, values_ptr, positions_ptr, part_
             out = out * shrink[:, None] + tl.dot(weights.to(values.dtype), values)
             total = total * shrink + tl.sum(weights, axis=1)
             best = new_best
-    where = (row * HEADS + heads) * PARTS + part
-    mask = g < GROUP
-    tl.store(part_ptr + where[:, None] * D + d[None, :], out / tl.where(total > 0, total, 1.0)[:, None],
-             mask=mask[:, None])
-    log_total = tl.log(tl.where(total > 0, total, 1.0))
-    tl.store(part_lse_ptr + where, tl.where(total > 0, best + log_total, float("-inf")), mask=mask)
+        where = (row * HEADS + heads) * PARTS + part
+        mask = g < GROUP
+        tl.store(part_ptr + where[:, None] * D + d[None, :], out / total[:, None], mask=mask[:, None])
+        tl.store(part_lse_ptr + where, best + tl.log(total), mask=mask)
 
 
 @triton.jit
-def _attention_join_kernel(part_ptr, part_lse_ptr, projection_ptr, projection_row_stride, out_ptr,
-                           HEADS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
-    # The parts of one (sequence, head), weighted by their softmax mass, times the head's output gate.
+def _attention_join_kernel(part_ptr, part_lse_ptr, positions_ptr, projection_ptr, projection_row_stride, out_ptr,
+                           HEADS: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr, CHUNK: tl.constexpr):
+    # The parts one (sequence, head) reaches, weighted by their softmax mass, times the head's output gate.
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     parts = tl.arange(0, PARTS)
     d = tl.arange(0, D)
-    lse = tl.load(part_lse_ptr + (row * HEADS + head) * PARTS + parts)
+    reached = parts * CHUNK <= tl.load(positions_ptr + row)
+    lse = tl.load(part_lse_ptr + (row * HEADS + head) * PARTS + parts, mask=reached, other=float("-inf"))
     weights = tl.exp(lse - tl.max(lse, axis=0))
-    outs = tl.load(part_ptr + ((row * HEADS + head) * PARTS + parts[:, None]) * D + d[None, :])
+    outs = tl.load(part_ptr + ((row * HEADS + head) * PARTS + parts[:, None]) * D + d[None, :], mask=reached[:, None],
+                   other=0.0)
     attended = tl.sum(outs * weights[:, None], axis=0) / tl.sum(weights, axis=0)
     gate = tl.load(projection_ptr + row * projection_row_stride + head * 2 * D + D + d).to(tl.float32)
     tl.store(out_ptr + (row * HEADS + head) * D + d, (attended * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty))
 
 
-ATTENTION_BLOCK = 64  # columns per inner step
+# How the decode step's attention splits its work: parts of at least ATTENTION_PART_COLUMNS columns, at most
+# MAX_ATTENTION_PARTS of them (a power of two), ATTENTION_BLOCK columns per inner step (D46).
+ATTENTION_PART_COLUMNS = 128
 MAX_ATTENTION_PARTS = 16
+ATTENTION_BLOCK = 64
+ATTENTION_WARPS = 4
+ATTENTION_STAGES = 3
 
 
-def attend(query, keys, values, positions, scale, projection):
+def attention_layout(capacity: int) -> tuple[int, int, int, int]:
+    """(parts, columns per inner step, warps, pipeline stages) for a store of `capacity` columns a slot."""
+    parts = min(MAX_ATTENTION_PARTS, triton.next_power_of_2(triton.cdiv(capacity, ATTENTION_PART_COLUMNS)))
+    return parts, ATTENTION_BLOCK, ATTENTION_WARPS, ATTENTION_STAGES
+
+
+def attend(query, keys, values, positions, scale, projection, layout=None):
+    """`layout`: attention_layout's by default."""
     n, heads, head_dim = query.shape
     kv_heads, capacity = keys.shape[1], keys.shape[2]
-    # Parts of 128 columns, at most 16 of them (a power of two): 8 for 1,024 reserved columns, 16 for 2,048 (D46).
-    parts = min(MAX_ATTENTION_PARTS, triton.next_power_of_2(triton.cdiv(capacity, 128)))
-    chunk = triton.cdiv(triton.cdiv(capacity, parts), ATTENTION_BLOCK) * ATTENTION_BLOCK
+    parts, block_n, warps, stages = layout or attention_layout(capacity)
+    chunk = triton.cdiv(triton.cdiv(capacity, parts), block_n) * block_n
     part = torch.empty((n, heads, parts, head_dim), dtype=torch.float32, device=query.device)
     part_lse = torch.empty((n, heads, parts), dtype=torch.float32, device=query.device)
     group = heads // kv_heads
     _attention_part_kernel[(n, kv_heads, parts)](
         query, keys, values, positions, part, part_lse, scale, keys.stride(0), keys.stride(1), HEADS=heads,
         GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), D=head_dim, PARTS=parts, CHUNK=chunk,
-        BLOCK_N=ATTENTION_BLOCK)
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     out = torch.empty((n, heads * head_dim), dtype=query.dtype, device=query.device)
-    _attention_join_kernel[(n, heads)](part, part_lse, projection, projection.stride(0), out, HEADS=heads, D=head_dim,
-                                       PARTS=parts)
+    _attention_join_kernel[(n, heads)](part, part_lse, positions, projection, projection.stride(0), out, HEADS=heads,
+                                       D=head_dim, PARTS=parts, CHUNK=chunk)
     return out
 
 
