@@ -324,7 +324,7 @@ ATTENTION_PART_COLUMNS = 128
 MAX_ATTENTION_PARTS = 16
 ATTENTION_BLOCK = 64
 ATTENTION_WARPS = 4
-ATTENTION_STAGES = 3
+ATTENTION_STAGES = 2
 
 
 def attention_layout(capacity: int) -> tuple[int, int, int, int]:
