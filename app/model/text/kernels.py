@@ -319,7 +319,8 @@ def _attention_join_kernel(part_ptr, part_lse_ptr, positions_ptr, projection_ptr
 
 
 # How the decode step's attention splits its work: parts of at least ATTENTION_PART_COLUMNS columns, at most
-# MAX_ATTENTION_PARTS of them (a power of two), ATTENTION_BLOCK columns per inner step (D46).
+# MAX_ATTENTION_PARTS of them (a power of two), ATTENTION_BLOCK columns per inner step; two pipeline stages were
+# faster than three on an H100 (D46, D55).
 ATTENTION_PART_COLUMNS = 128
 MAX_ATTENTION_PARTS = 16
 ATTENTION_BLOCK = 64
