@@ -116,17 +116,30 @@ def test_bad_settings_are_refused(client, settings, message):
                                          ([{"path": "x.png"}], "its item 0 is no file as handle_file makes one")])
 def test_files_that_are_not_a_list_of_files_are_refused_with_a_message(server_url, files, what):
     """Over raw HTTP, as a script would send them: Gradio's own check answered {"error": null}."""
-    import httpx
     from gradio.utils import get_upload_folder
 
     if files == [{"path": "x.png"}]:  # an upload's path (no matter that it has gone) without its "meta"
         files = [{"path": os.path.join(get_upload_folder(), "x.png")}]
 
-    call = server_url + "gradio_api/call/ask"
-    event = httpx.post(call, json={"data": ["Hello", files, None]}, timeout=30).json()["event_id"]
-    with httpx.stream("GET", f"{call}/{event}", timeout=60) as events:
-        said = "".join(events.iter_text())
+    said = raw_ask(server_url, ["Hello", files, None])
     assert "event: error" in said and "files must be a list of uploaded files" in said and what in said, said
+
+
+@pytest.mark.parametrize("data", [[], ["Hello"], ["Hello", None]])
+def test_too_few_values_are_refused_with_a_message(server_url, data):
+    """Gradio's own check of the count answered {"error": null}."""
+    said = raw_ask(server_url, data)
+    assert "event: error" in said and "Too few values: this call takes 3 (text, files, settings)." in said, said
+
+
+def raw_ask(server_url: str, data: list) -> str:
+    """/ask over raw HTTP, as a script would call it: what its event stream said."""
+    import httpx
+
+    call = server_url + "gradio_api/call/ask"
+    event = httpx.post(call, json={"data": data}, timeout=30).json()["event_id"]
+    with httpx.stream("GET", f"{call}/{event}", timeout=60) as events:
+        return "".join(events.iter_text())
 
 
 def test_empty_request_is_refused(client):

@@ -12,7 +12,7 @@ import os
 import gradio as gr
 from pydantic import ValidationError
 
-from app.messages import MSG_NOT_AN_UPLOAD, MSG_NOT_FILES
+from app.messages import MSG_NOT_AN_UPLOAD, MSG_NOT_FILES, MSG_TOO_FEW_VALUES
 from app.media.files import shown_name
 from app.ui.refusals import refusal
 
@@ -92,11 +92,15 @@ def _kind(value) -> str:
 
 class UploadsOnlyBlocks(gr.Blocks):
     """gr.Blocks whose events refuse files that were not uploaded to this app, before Gradio moves,
-    downloads or reads any of them (Blocks.validate_inputs runs first in preprocess_data), and file inputs
-    that hold no files."""
+    downloads or reads any of them (Blocks.validate_inputs runs first in preprocess_data), file inputs
+    that hold no files, and calls sent too few values."""
 
     def validate_inputs(self, block_fn, inputs):
-        super().validate_inputs(block_fn, inputs)
+        try:
+            super().validate_inputs(block_fn, inputs)
+        except ValueError:  # too few values: Gradio's message (which echoes them) reached the client as {"error": null}
+            taken = [block.label or type(block).__name__ for block in block_fn.inputs if not block.stateful]
+            raise refusal(MSG_TOO_FEW_VALUES.format(count=len(taken), names=", ".join(taken))) from None
         from gradio.utils import get_upload_folder
 
         uploaded_files_only(inputs, get_upload_folder())
