@@ -132,6 +132,17 @@ def test_too_few_values_are_refused_with_a_message(server_url, data):
     assert "event: error" in said and "Too few values: this call takes 3 (text, files, settings)." in said, said
 
 
+@pytest.mark.parametrize("route", ["gradio_api/run/ask", "gradio_api/api/ask"])
+def test_direct_calls_that_would_skip_the_queue_are_refused(server_url, client, route):
+    """Gradio's direct routes ran a queued event outside the queue: past its bound and concurrency limits."""
+    import httpx
+
+    answer = httpx.post(server_url + route, json={"data": ["Hello", None, None, None]}, timeout=30)
+    assert answer.status_code == 404 and "join the queue" in answer.text, answer.text
+    _, (_, stats) = stream(client, "Hello", [], FIXED)
+    assert stats["new_tokens"] == FIXED["max_new_tokens"]
+
+
 def raw_ask(server_url: str, data: list) -> str:
     """/ask over raw HTTP, as a script would call it: what its event stream said."""
     import httpx

@@ -285,6 +285,17 @@ def test_a_file_over_the_upload_limit_is_refused_before_it_is_stored(mcp_url, me
     assert not {path for path in upload_files(get_upload_folder()) - before if "image" in os.path.basename(path)}
 
 
+def test_a_tool_called_over_http_with_too_few_values_is_told_its_parameters(mcp_url):
+    """gr.api's inputs are labelled "1st", "2nd": the refusal names the function's parameters instead."""
+    call = mcp_url + "gradio_api/call/describe_image"
+    with httpx.Client(cookies=httpx.post(mcp_url + "login", data={"username": USER, "password": PASSWORD}).cookies,
+                      timeout=60) as http:
+        event = http.post(call, json={"data": []}).json()["event_id"]
+        with http.stream("GET", f"{call}/{event}") as events:
+            said = "".join(events.iter_text())
+    assert "Too few values: this call takes 2 (image, question)." in said, said
+
+
 def test_the_mcp_routes_need_the_login(mcp_demo, mcp_url):
     """Every route but the login form's answers 401 without the login; an MCP client sends it as HTTP Basic
     (or the cookie of POST /login); a wrong or malformed one is refused."""

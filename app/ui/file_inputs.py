@@ -7,6 +7,8 @@ local paths against its upload folder but lets URLs through, so the app checks e
 every event (chat history included) before Gradio touches any of them.
 """
 
+import inspect
+import logging
 import os
 
 import gradio as gr
@@ -15,6 +17,8 @@ from pydantic import ValidationError
 from app.messages import MSG_NOT_AN_UPLOAD, MSG_NOT_FILES, MSG_TOO_FEW_VALUES
 from app.media.files import shown_name
 from app.ui.refusals import refusal
+
+log = logging.getLogger(__name__)
 
 
 def uploaded_files_only(inputs, upload_folder: str) -> None:
@@ -99,9 +103,24 @@ class UploadsOnlyBlocks(gr.Blocks):
         try:
             super().validate_inputs(block_fn, inputs)
         except ValueError:  # too few values: Gradio's message (which echoes them) reached the client as {"error": null}
-            taken = [block.label or type(block).__name__ for block in block_fn.inputs if not block.stateful]
-            raise refusal(MSG_TOO_FEW_VALUES.format(count=len(taken), names=", ".join(taken))) from None
+            log.warning("Event %s got %d values for its %d inputs", block_fn.name, len(inputs), len(block_fn.inputs))
+            names = input_names(block_fn)
+            raise refusal(MSG_TOO_FEW_VALUES.format(count=len(names), names=", ".join(names))) from None
         from gradio.utils import get_upload_folder
 
         uploaded_files_only(inputs, get_upload_folder())
         files_where_files_go(block_fn.inputs, inputs)
+
+
+def input_names(block_fn) -> list[str]:
+    """The names a client sends an event's values by (its State inputs are Gradio's to fill): the components'
+    labels, or for gr.api's events (app.ui.mcp_tools), whose inputs are labelled "1st", "2nd"..., the function's
+    parameters."""
+    from gradio.components.api_component import Api
+
+    taken = [block for block in block_fn.inputs if not block.stateful]
+    if taken and all(isinstance(block, Api) for block in taken):
+        parameters = list(inspect.signature(block_fn.fn).parameters)
+        if len(parameters) == len(taken):
+            return parameters
+    return [block.label or type(block).__name__ for block in taken]

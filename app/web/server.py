@@ -71,7 +71,10 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     # thread of, are sized to it (the rest of the pool serves the other events); the queue's bound keeps
     # a flood's memory bounded.
     slots = handler_slots(config)
-    demo.queue(max_size=slots, default_concurrency_limit=1)
+    # api_open=False: Gradio's direct routes (POST /run/<name>, /api/<name>) would run a queued event's handler
+    # outside the queue: past its bound and the events' concurrency limits. Clients use the queue (the page,
+    # gradio_client, /call/<name>).
+    demo.queue(max_size=slots, default_concurrency_limit=1, api_open=False)
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
                 # Quiet: Gradio's own lines advise `share=True` in `launch()`; this app's flag is --share.
                 prevent_thread_lock=True, css_paths=[CSS_PATH], theme=gr.themes.Soft(), quiet=True,
