@@ -143,6 +143,47 @@ def test_direct_calls_that_would_skip_the_queue_are_refused(server_url, client, 
     assert stats["new_tokens"] == FIXED["max_new_tokens"]
 
 
+def test_a_queue_join_without_the_state_value_a_lone_surrogate_in_a_setting_name_and_wrong_page_values(server_url):
+    """As a page or a script joins Gradio's queue. /ask's State input needs no value there (as on /call/ask); an
+    unknown setting's name is quoted with its lone surrogate as "?" (the session's event stream broke off on it);
+    a page event's values that its components cannot take are refused by name ({"error": null} before)."""
+    import httpx
+
+    config = httpx.get(server_url + "config", timeout=30).json()
+    events = {dependency["api_name"]: index for index, dependency in enumerate(config["dependencies"])}
+    assert joined(server_url, events["ask"], ["Hello", None, FIXED])["data"][1]["done"]
+    said = joined(server_url, events["ask"], ["Hello", None, {"a\ud800b": 1}])
+    assert said["error"].startswith("Unknown setting “a?b”."), said
+    page_event = config["dependencies"][events["added_then_answered"]]
+    components = {component["id"]: component for component in config["components"]}
+    values = [components[block]["props"].get("value") for block in page_event["inputs"]]
+    values[0] = {"text": "Hello", "files": []}
+    for label, wrong in (("Max new tokens", "abc"), ("Chat", "notalist")):
+        sent = [wrong if components[block]["props"].get("label") == label else value
+                for block, value in zip(page_event["inputs"], values)]
+        said = joined(server_url, events["added_then_answered"], sent)
+        assert said["error"] == f"{label} cannot take the value {wrong!r}.", said
+
+
+def joined(server_url: str, fn_index: int, data: list) -> dict:
+    """Join Gradio's queue as the page does: the event's output (its data, or its error)."""
+    import json
+    import uuid
+
+    import httpx
+
+    session = uuid.uuid4().hex
+    with httpx.Client(base_url=server_url, timeout=60) as http:
+        body = json.dumps({"data": data, "fn_index": fn_index, "session_hash": session})  # a lone surrogate escaped
+        http.post("gradio_api/queue/join", content=body, headers={"Content-Type": "application/json"})
+        with http.stream("GET", f"gradio_api/queue/data?session_hash={session}") as stream_:
+            for line in stream_.iter_lines():
+                message = json.loads(line[len("data: "):]) if line.startswith("data: ") else {}
+                if message.get("msg") == "process_completed":
+                    return message["output"]
+    raise AssertionError("the event stream ended without the event's output")
+
+
 def raw_ask(server_url: str, data: list) -> str:
     """/ask over raw HTTP, as a script would call it: what its event stream said."""
     import httpx

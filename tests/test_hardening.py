@@ -5,7 +5,7 @@ send it), what the user sees, and what the server does:
 
 | attack | the user sees | the server |
 |---|---|---|
-| a file entry whose path is a URL (http(s), a silent server, `rtsp:`), an FFmpeg protocol (`concat:`, `pipe:`), `file://`, a device, a server file, a traversal, a real image outside the uploads, a name past 255 bytes or with a lone surrogate; `is_stream` on and off; in /ask and in a forged chat history | "... was not uploaded to this app" | refuses before Gradio moves or fetches anything (app.ui.file_inputs); the canary server gets no request; media decoders take only local files |
+| a file entry whose path is a URL (http(s), a silent server, `rtsp:`), an FFmpeg protocol (`concat:`, `pipe:`), `file://`, a device, a server file, a traversal, a real image outside the uploads, a name past 255 bytes or with a lone surrogate; `is_stream` on and off; in /ask and in a forged chat history | "... was not uploaded to this app" | refuses before Gradio moves or fetches anything (app.ui.event_inputs); the canary server gets no request; media decoders take only local files |
 | corrupt, empty, truncated files; PNGs whose pixel data is corrupt or no zlib stream; a 20000x20000 PNG; a text file named .mp4; 50 images | its message | refuses from the header, serves on |
 | absurd decoding settings beside a streaming reply: temperature 1e-45, 0, -1, NaN, inf, 1e308; top_p, top_k and repetition_penalty likewise | "Setting “temperature”: ..." | refuses; the other reply ends whole and unchanged |
 | a row whose logits are not finite numbers | "This reply could not go on ..." | that row alone fails; the greedy and sampled replies beside it finish |

@@ -30,7 +30,7 @@ def unsupported_file(path: str) -> UserError:
 def check_local_file(path) -> None:
     """Refuse anything but an absolute path to a regular file: decoders are never handed a string they
     could read as a URL, a protocol (FFmpeg's `rtsp:`, `concat:`, `pipe:`) or a device. The web side has
-    already checked that the file is one of its uploads (app.ui.file_inputs); this holds in the engine
+    already checked that the file is one of its uploads (app.ui.event_inputs); this holds in the engine
     whoever calls it."""
     if not (isinstance(path, str) and "\0" not in path and os.path.isabs(path)):
         raise UserError(MSG_NOT_AN_UPLOAD.format(name=shown_name(path)))

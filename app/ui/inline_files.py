@@ -4,7 +4,7 @@ data: URL), or the path of a file uploaded to this app.
 Base64 is decoded into the upload folder, as an upload is stored (a folder of its own, named at random), held
 to the same size limit (limits.MAX_UPLOAD_MB), and its type is read from its first bytes (bare base64 names
 none, and a data: URL's media type is not trusted either). A path must lie in the upload folder, as every
-event's files must (app.ui.file_inputs). Anything else, a link above all, is refused with a message: nothing
+event's files must (app.ui.event_inputs). Anything else, a link above all, is refused with a message: nothing
 here fetches a URL or opens a path outside the upload folder. Callers decode in a thread, not in the server's
 event loop (a few megabytes of base64 take milliseconds).
 """
@@ -20,7 +20,7 @@ from app import limits
 from app.errors import UserError
 from app.media.files import shown_name, unsupported_file
 from app.messages import MSG_FILE_TOO_LARGE, MSG_INLINE_LINK, MSG_INLINE_NOT_A_FILE, MSG_NOT_AN_UPLOAD
-from app.ui.file_inputs import inside_folder
+from app.ui.event_inputs import inside_folder
 
 # A URL's scheme (http:, file:, rtsp:, FFmpeg's concat: ...): base64 never holds a colon.
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")

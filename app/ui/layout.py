@@ -11,7 +11,7 @@ from app.chat import THINK_CLOSE, THINK_OPEN
 from app.config import handler_slots
 from app.media.files import BROWSER_COPY_SUFFIX
 from app.ui.cancellable import StopControl
-from app.ui.file_inputs import UploadsOnlyBlocks
+from app.ui.event_inputs import UploadsOnlyBlocks
 from app.ui.handlers import SETTING_KEYS, Handlers, model_header, settings_dict
 from app.ui.panels import (CLOSED_SETTINGS_INERT, LABEL_SETTINGS_TOGGLE, OPEN_SERVER_LOAD_FROM_LINK, below_the_tabs,
                             reply_controls, settings_sidebar)

@@ -9,7 +9,10 @@ log = logging.getLogger("app.refused")
 
 
 def refusal(message: str) -> gr.Error:
-    """The gr.Error to raise for `message`, logged as one line."""
+    """The gr.Error to raise for `message`, logged as one line. A lone surrogate that the message quotes from the
+    request (an unknown setting's name, say) is shown as "?": Gradio's event stream broke off on it, for every
+    event of the session."""
+    message = message.encode("utf-8", "replace").decode("utf-8")
     log_refusal(message)
     return gr.Error(message, print_exception=False)
 

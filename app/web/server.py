@@ -71,9 +71,7 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     # thread of, are sized to it (the rest of the pool serves the other events); the queue's bound keeps
     # a flood's memory bounded.
     slots = handler_slots(config)
-    # api_open=False: Gradio's direct routes (POST /run/<name>, /api/<name>) would run a queued event's handler
-    # outside the queue: past its bound and the events' concurrency limits. Clients use the queue (the page,
-    # gradio_client, /call/<name>).
+    # api_open=False: no direct route (/run/<name>) runs a queued event past the queue's bounds (docs/SECURITY.md).
     demo.queue(max_size=slots, default_concurrency_limit=1, api_open=False)
     demo.launch(server_name=config.host, server_port=config.port, share=config.share, auth=config.auth_pair(),
                 # Quiet: Gradio's own lines advise `share=True` in `launch()`; this app's flag is --share.

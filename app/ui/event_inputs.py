@@ -1,4 +1,6 @@
-"""Every file an event names must be one that this app stored from an upload.
+"""What an event's values may be, checked before Gradio processes any of them: every file one names is one that
+this app stored from an upload, a file input holds files, and the values are as many as the event's inputs and
+of kinds their components take (else a message, where Gradio's own errors reached the client as {"error": null}).
 
 An event's data comes from the client, and a client can name any string as a file's `path`: a URL
 (Gradio itself downloads an `http(s)://` path into its cache, and OpenCV's FFmpeg reader opens URLs and
@@ -14,7 +16,7 @@ import os
 import gradio as gr
 from pydantic import ValidationError
 
-from app.messages import MSG_NOT_AN_UPLOAD, MSG_NOT_FILES, MSG_TOO_FEW_VALUES
+from app.messages import MSG_NOT_AN_UPLOAD, MSG_NOT_FILES, MSG_NOT_TAKEN, MSG_TOO_FEW_VALUES
 from app.media.files import shown_name
 from app.ui.refusals import refusal
 
@@ -97,9 +99,13 @@ def _kind(value) -> str:
 class UploadsOnlyBlocks(gr.Blocks):
     """gr.Blocks whose events refuse files that were not uploaded to this app, before Gradio moves,
     downloads or reads any of them (Blocks.validate_inputs runs first in preprocess_data), file inputs
-    that hold no files, and calls sent too few values."""
+    that hold no files, calls sent too few values, and values that their components cannot take."""
 
     def validate_inputs(self, block_fn, inputs):
+        missing = block_fn.inputs[len(inputs):]
+        if missing and all(block.stateful for block in missing):
+            # Only its State inputs' values are missing, which Gradio fills from the session, as /call/<name> does.
+            inputs.extend([None] * len(missing))
         try:
             super().validate_inputs(block_fn, inputs)
         except ValueError:  # too few values: Gradio's message (which echoes them) reached the client as {"error": null}
@@ -110,6 +116,34 @@ class UploadsOnlyBlocks(gr.Blocks):
 
         uploaded_files_only(inputs, get_upload_folder())
         files_where_files_go(block_fn.inputs, inputs)
+
+    async def preprocess_data(self, block_fn, inputs, state, explicit_call: bool = False):
+        """A value that its input component cannot take (a word for a number, a string for a chat history) is
+        refused with a message that names the input: Gradio's own error reached the client as {"error": null}.
+        A component's own refusal (a choice not among a radio's) is logged as one line, not a traceback."""
+        from gradio.exceptions import ComponentProcessingError, Error
+
+        try:
+            return await super().preprocess_data(block_fn, inputs, state, explicit_call)
+        except ComponentProcessingError as error:
+            raise refusal(str(error)) from None
+        except ValidationError as error:  # a component's data model, checked before its preprocessing
+            for index, block in enumerate(block_fn.inputs):
+                if getattr(getattr(block, "data_model", None), "__name__", None) == error.title:
+                    raise refusal(self._format_processing_error(block_fn, index, block, inputs[index], True, error)) from None
+            raise
+        except Error as error:
+            if error.print_exception:
+                raise refusal(error.message) from None
+            raise
+
+    @staticmethod
+    def _format_processing_error(block_fn, index, block, value, is_input, original_error) -> str:
+        if not is_input:  # the app's own fault, kept as Gradio words it
+            return gr.Blocks._format_processing_error(block_fn, index, block, value, is_input, original_error)
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:60] + "…"
+        return MSG_NOT_TAKEN.format(value=shown, label=getattr(block, "label", None) or type(block).__name__)
 
 
 def input_names(block_fn) -> list[str]:
