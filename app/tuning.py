@@ -56,6 +56,11 @@ CONVERSATION_CACHE_SHARE = 0.12
 # tokens again costs. A single text question, or one with a 448x448 photo (64 visual tokens), is prefilled
 # whole; a 1344x1344 photo's conversation (about 690 tokens) is kept from its first turn (docs/DECISIONS.md D48).
 CONVERSATION_CACHE_MIN_TOKENS = 512
+# The visual features of earlier turns' images, kept once encoded, take at most this many MB of GPU memory
+# (app.engine.encoded_images): a conversation whose kept state was let go, or that starts again from its first
+# turn, neither decodes nor encodes its images again. A 1344x1344 image's are 1.3 MB at the 4.6 shape. 0: none
+# kept (docs/DECISIONS.md D56).
+ENCODED_IMAGES_MB = 1024
 # 1: the vision tower runs as app.model.vision.fused writes it where the checkpoint allows; 0: through
 # transformers' modules (tuned by app.model.vision.tower).
 FUSED_VISION_TOWER = 1
@@ -149,6 +154,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "CONVERSATION_CACHE_GB",
     "CONVERSATION_CACHE_SHARE",
     "CONVERSATION_CACHE_MIN_TOKENS",
+    "ENCODED_IMAGES_MB",
     "FUSED_VISION_TOWER",
     "MEDIA_ALONGSIDE_DECODING",
     "VISION_SM_CARVEOUT",

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from app.engine.conversations import ConversationCache
+from app.engine.encoded_images import EncodedImages
 from app.engine.settings import GenerationSettings
 from tests.conftest import make_image, make_video
 
@@ -16,11 +17,13 @@ GREEDY = GenerationSettings(max_new_tokens=12, do_sample=False, enable_thinking=
 @pytest.fixture
 def cache(manager, monkeypatch):
     """Sets the session manager's conversation cache to one of `capacity` bytes (0: off), keeping prompts of
-    `min_tokens` or more (the tiny model's prompts are shorter than the app's threshold)."""
+    `min_tokens` or more (the tiny model's prompts are shorter than the app's threshold), and its encoded images'
+    to `images` bytes (unsaid: `capacity`)."""
 
-    def use(capacity: int, min_tokens: int = 0) -> ConversationCache:
+    def use(capacity: int, min_tokens: int = 0, images: int | None = None) -> ConversationCache:
         kept = ConversationCache(capacity, min_tokens)
         monkeypatch.setattr(manager.scheduler, "conversations", kept)
+        monkeypatch.setattr(manager.scheduler, "images", EncodedImages(capacity if images is None else images))
         return kept
 
     return use
@@ -280,7 +283,7 @@ def test_a_follow_up_decodes_none_of_the_images_its_conversation_holds(manager, 
 def test_a_conversation_let_go_while_its_follow_up_is_prepared_is_prepared_again_with_its_pixels(manager, cache, tmp_path):
     photo = make_image(tmp_path, "photo.png", (900, 700))
     first = [{"type": "image", "path": photo}, text("What is it?")]
-    kept = cache(2**30)
+    kept = cache(2**30, images=0)  # no features of its image kept either
     answer = conversation(manager, first, [])[0][0]
     follow_up = [{"role": "user", "content": first}, {"role": "assistant", "content": [text(answer)]},
                  {"role": "user", "content": [text("More?")]}]

@@ -243,7 +243,7 @@ def test_pause_returns_only_once_the_last_step_is_handed_out():
     rng = random.Random(3)
     runner = SlowReadBack(rng)
     scheduler = new_scheduler(runner, max_batch=4)
-    scheduler.attach(runner, 1, prepare_again=None, conversations=scheduler.conversations)
+    scheduler.attach(runner, 1, prepare_again=None, conversations=scheduler.conversations, images=scheduler.images)
     scheduler.submit(new_request(rng, 0, {}, max_new_tokens=3, min_new_tokens=0)[0])
     time.sleep(0.05)
     assert scheduler.pause(10)
@@ -265,7 +265,7 @@ def test_pause_waits_for_a_wave_being_prefilled(monkeypatch):
     rng = random.Random(4)
     runner = SequenceSlots(rng)
     scheduler = new_scheduler(runner, max_batch=4)
-    scheduler.attach(runner, 1, prepare_again=None, conversations=scheduler.conversations)
+    scheduler.attach(runner, 1, prepare_again=None, conversations=scheduler.conversations, images=scheduler.images)
     events = {}
     scheduler.submit(new_request(rng, 0, events)[0])
     assert prefilling.wait(5)

@@ -236,13 +236,6 @@ def _file_identity(path: str) -> str:
     return f"{os.path.realpath(path)}|{status.st_ino}|{status.st_size}"
 
 
-def holds_every_image(prepared) -> bool:
-    """Whether the kept conversation `prepared` goes on from holds all its images (else those left out of its
-    preparation, pixels_left_out, must be prepared after all)."""
-    images = len(prepared.image_views)
-    return prepared.kept is not None and all(end <= prepared.kept.length for end in prepared.media_ends[:images])
-
-
 def without_media_before(prepared, position: int) -> None:
     """Drop the pixels (or the images left to the engine to slice) of the media whose placeholders all lie before
     `position`: a kept conversation holds them, so only the rest is encoded."""

@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
-from app.engine.conversations import ConversationCache, holds_every_image, without_media_before
+from app.engine.conversations import ConversationCache, without_media_before
+from app.engine.encoded_images import EncodedImages, take_held_images
 from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
@@ -79,7 +80,9 @@ class ModelManager:
         from app.model.runner import BatchRunner  # the GPU side (torch): with the model, not at import
 
         self.runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
-        self.scheduler.attach(self.runner, self._version, self._prepare_again, self._conversation_cache())
+        # On ZeroGPU (inline) the GPU's memory is the callers' only during their calls: no features kept there.
+        self.scheduler.attach(self.runner, self._version, self._prepare_again, self._conversation_cache(),
+                              EncodedImages(tuning.ENCODED_IMAGES_MB * 2**20 if not self.scheduler.inline else 0))
         self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
@@ -134,7 +137,7 @@ class ModelManager:
             for wave in sorted({min(wave, self.config.max_batch_size + self.config.queue_size) for wave in waves}):
                 with ThreadPoolExecutor(wave) as pool:
                     list(pool.map(one_reply, range(wave)))
-        self.scheduler.conversations.clear()  # the warm-up's questions come no more
+        self.scheduler.forget_kept()  # the warm-up's questions and images come no more
         if self.runner.uses_cuda_graphs:
             self._warm_up_shapes()
         self.warmup_s = time.perf_counter() - started
@@ -201,7 +204,7 @@ class ModelManager:
         before = self.gpu_memory_bytes() or 0
         self._ready.clear()
         self.scheduler.detach()
-        self.scheduler.conversations.clear()  # its states are the old model's, and GPU memory the new one needs
+        self.scheduler.forget_kept()  # the old model's states and features, in GPU memory the new one needs
         self.runner.release()
         self.runner = None
         self.preparer.close()
@@ -301,9 +304,9 @@ class ModelManager:
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
         self._wait_until_ready()
         asked = time.perf_counter()
-        conversations = self.scheduler.conversations
-        prepared = self._prepared(messages, settings, conversations.held_media())
-        if prepared.pixels_left_out and not holds_every_image(prepared):  # let go meanwhile: rare
+        held = self.scheduler.conversations.held_media() | self.scheduler.images.held()
+        prepared = self._prepared(messages, settings, held)
+        if prepared.pixels_left_out and not take_held_images(prepared, self.scheduler.images):  # let go meanwhile
             prepared = self._prepared(messages, settings, frozenset())
         prepared.timeline["asked"] = asked
         if prepared.kept is not None:  # its earlier media are in the kept state: not encoded again

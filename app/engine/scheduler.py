@@ -39,6 +39,7 @@ from typing import Callable
 from app import tuning
 from app.messages import MSG_BUSY, MSG_SAMPLING_FAILED
 from app.engine.conversations import ConversationCache, prefill_wave
+from app.engine.encoded_images import EncodedImages, wave_features
 from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.engine.api import ReplyEvent
@@ -69,6 +70,7 @@ class Scheduler:
         self.runner = None
         self.version = 0
         self.conversations = ConversationCache(0)  # the model's kept conversations, given with it (attach)
+        self.images = EncodedImages(0)  # its images' features kept once encoded, likewise
         self._prepare_again: Callable[[Request], PreparedInputs] | None = None
         self._end_token_set: set[int] = set()
         self._changed = threading.Condition()
@@ -84,17 +86,19 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         metrics.gauges.update(queue_depth=lambda: self.waiting, batch_size=lambda: self.running,
                               kept_conversations=lambda: len(self.conversations),
-                              kept_conversation_bytes=lambda: self.conversations.held_bytes)
+                              kept_conversation_bytes=lambda: self.conversations.held_bytes,
+                              encoded_images=lambda: len(self.images), encoded_image_bytes=lambda: self.images.held_bytes)
 
     # Control -------------------------------------------------------------------------------------
 
     def attach(self, runner, version: int, prepare_again: Callable[[Request], PreparedInputs],
-               conversations: ConversationCache) -> None:
+               conversations: ConversationCache, images: EncodedImages) -> None:
         """Serve with `runner` (app.model.runner.BatchRunner, a freshly loaded model) from now on, keeping
-        its `conversations`; `prepare_again` prepares a request that waited through the switch for it."""
+        its `conversations` and its encoded `images`; `prepare_again` prepares a request that waited through the
+        switch for it."""
         with self._changed:
             self.runner, self.version, self._prepare_again = runner, version, prepare_again
-            self.conversations = conversations
+            self.conversations, self.images = conversations, images
             self._end_token_set = set(runner.end_token_ids)
             self._paused = False
             self._changed.notify_all()
@@ -243,8 +247,8 @@ class Scheduler:
         self.metrics.wave_encoded(encoding.seconds)
         try:
             columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
-            admitted, logits = prefill_wave(self.runner, self.conversations, admitted, encoding.features(),
-                                            len(self._running), columns)
+            features = wave_features(admitted, encoding.features(), self.images, self.runner)
+            admitted, logits = prefill_wave(self.runner, self.conversations, admitted, features, len(self._running), columns)
         except Exception as error:
             self._encoding = None
             self._fail(admitted, error)
@@ -353,6 +357,12 @@ class Scheduler:
         request.last_token, request.done = token, ended
         request.deliver(ended, now, interval)
 
+    def forget_kept(self) -> None:
+        """Let go of every kept conversation and encoded image (a warm-up's, an unloaded model's, or on an
+        out-of-memory)."""
+        self.conversations.clear()
+        self.images.clear()
+
     def _leave_if_done(self) -> None:
         if any(request.done for request in self._running):
             self._leave(lambda request: request.done)
@@ -361,7 +371,7 @@ class Scheduler:
         """Give `error` to each of `requests`, after releasing what an out-of-memory left cached, kept
         conversations included."""
         if self.runner.after_error(error):
-            self.conversations.clear()
+            self.forget_kept()
         for request in requests:
             request.emit(ReplyEvent.ERROR, error)
 

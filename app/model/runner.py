@@ -195,6 +195,12 @@ class BatchRunner:
         self.store.restore(snapshots, slots)
 
     @staticmethod
+    def pieces(tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+        """The tensor's rows cut into pieces of rows[i] rows, each a copy of its own (an image's features, kept
+        apart from its request's: app.engine.encoded_images)."""
+        return [piece.clone() for piece in tensor.split(rows)]
+
+    @staticmethod
     def joined(parts: list[torch.Tensor]) -> torch.Tensor:
         """Rows of several parts as one tensor, in order: a wave's prefills' logits, or next input tokens."""
         return parts[0] if len(parts) == 1 else torch.cat(parts)
