@@ -35,10 +35,10 @@ class FixedLogits:
     def decode(self, tokens):
         return self.logits[: tokens.shape[0]]
 
-    def choose(self, logits, rows, seen, barred):
+    def choose(self, logits, rows, seen, barred, generators=None):
         from app.model.sampling import choose
 
-        return choose(logits, rows, seen, barred, self.end_tokens)
+        return choose(logits, rows, seen, barred, self.end_tokens, generators)
 
     def tokens_on_device(self, tokens):
         import torch
