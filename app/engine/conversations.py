@@ -218,17 +218,17 @@ def mark_turns_and_media(prepared, tokenizer, input_ids, image_paths: list[str],
         prepared.image_views = tuple(1 + image.slice_count for image in plan.images)
     if video_paths and prepared.video_tokens:
         ends.append(int((input_ids == tokenizer.video_token_id).nonzero()[-1, 0]) + 1)
-        keys.append(f"{_file_identity(video_paths[0])}|{settings.downsample_mode}|{settings.video_fps}|"
+        keys.append(f"{file_identity(video_paths[0])}|{settings.downsample_mode}|{settings.video_fps}|"
                     f"{settings.video_max_frames}|{settings.video_slices_per_frame}")
     prepared.media_keys, prepared.media_ends = tuple(keys), tuple(ends)
 
 
 def image_key(path: str, downsample_mode: str, max_slice_nums: int) -> str:
     """An image's identity in a kept conversation: its file's, and how it was cut and encoded."""
-    return f"{_file_identity(path)}|{downsample_mode}|{max_slice_nums}"
+    return f"{file_identity(path)}|{downsample_mode}|{max_slice_nums}"
 
 
-def _file_identity(path: str) -> str:
+def file_identity(path: str) -> str:
     """A media file's identity: uploads are written once and never changed (a new upload is a new file, in
     a folder of its own), and the API's are named by a hash of their bytes (app.web.data_urls), which touches
     them when they come again: their times are not part of it."""
@@ -254,7 +254,7 @@ def without_media_before(prepared, position: int) -> None:
         tensors[DEFERRED_IMAGES] = rest if rest.paths else None
         if not any(rest.decoded):
             tensors.pop(DECODED_PIXELS, None)
-    elif views >= len(sizes):
+    elif views >= len(sizes) or tensors.get("pixel_values") is None:  # all kept, or none decoded (pixels_left_out)
         tensors["pixel_values"] = None
     else:
         patch = tensors["pixel_values"].shape[2]

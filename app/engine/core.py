@@ -19,7 +19,7 @@ from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
 from app.engine.conversations import ConversationCache, without_media_before
-from app.engine.encoded_images import EncodedImages, take_held_images
+from app.engine.encoded_images import EncodedImages, held_media, take_held_images
 from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
@@ -80,9 +80,8 @@ class ModelManager:
         from app.model.runner import BatchRunner  # the GPU side (torch): with the model, not at import
 
         self.runner = BatchRunner(self.model, use_cuda_graphs=False if self.scheduler.inline else None)
-        # On ZeroGPU (inline) the GPU's memory is the callers' only during their calls: no features kept there.
         self.scheduler.attach(self.runner, self._version, self._prepare_again, self._conversation_cache(),
-                              EncodedImages(tuning.ENCODED_IMAGES_MB * 2**20 if not self.scheduler.inline else 0))
+                              self._encoded_images())
         self._ready.set()
         log.info("Loaded %s on %s (%s) in %.1f s", self.source.name, self.device, dtype, time.perf_counter() - started)
 
@@ -94,6 +93,12 @@ class ModelManager:
         if tuning.CONVERSATION_CACHE and not keeps:
             log.info("Conversations are not kept between turns on this model's text path: every prompt is prefilled whole")
         return ConversationCache(self._conversation_cache_bytes() if keeps else 0, tuning.CONVERSATION_CACHE_MIN_TOKENS)
+
+    def _encoded_images(self) -> EncodedImages:
+        """Where the new model's images are kept encoded: where conversations are kept (MINICPMV_CONVERSATION_CACHE=0
+        turns both off: docs/SECURITY.md), not on ZeroGPU, whose GPU memory is the callers' only during their calls."""
+        keeps = tuning.CONVERSATION_CACHE and not self.scheduler.inline
+        return EncodedImages(tuning.ENCODED_IMAGES_MB * 2**20 if keeps else 0)
 
     def _conversation_cache_bytes(self) -> int:
         """tuning.CONVERSATION_CACHE_GB, or where it is left to the app (negative) a share of the GPU's memory
@@ -304,9 +309,9 @@ class ModelManager:
     def prepare(self, messages: list[dict], settings: GenerationSettings) -> PreparedInputs:
         self._wait_until_ready()
         asked = time.perf_counter()
-        held = self.scheduler.conversations.held_media() | self.scheduler.images.held()
-        prepared = self._prepared(messages, settings, held)
-        if prepared.pixels_left_out and not take_held_images(prepared, self.scheduler.images):  # let go meanwhile
+        images = self.scheduler.images
+        prepared = self._prepared(messages, settings, held_media(messages, self.scheduler.conversations, images))
+        if prepared.pixels_left_out and not take_held_images(prepared, images):  # let go meanwhile
             prepared = self._prepared(messages, settings, frozenset())
         prepared.timeline["asked"] = asked
         if prepared.kept is not None:  # its earlier media are in the kept state: not encoded again

@@ -19,6 +19,8 @@ docs/DECISIONS.md D56. No torch at import, as everywhere in app.engine.
 import threading
 from collections import OrderedDict
 
+from app.engine.conversations import file_identity
+
 
 class EncodedImages:
     """Features by image key, least recently used first, up to `capacity_bytes`. Used from the request threads
@@ -27,6 +29,7 @@ class EncodedImages:
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
         self._kept: OrderedDict[str, object] = OrderedDict()
+        self._by_file: dict[str, set[str]] = {}  # a file's identity -> the keys held of it
         self._held = 0
         self._lock = threading.Lock()
 
@@ -41,16 +44,17 @@ class EncodedImages:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def held(self) -> frozenset:
-        """The keys of the images held: a preparer need not decode these, if they are still held when taken."""
+    def held(self, files: set[str]) -> frozenset:
+        """The keys held of these files (their identities): a preparer need not decode those images, if they are
+        still held when taken."""
         with self._lock:
-            return frozenset(self._kept)
+            return frozenset(key for file in files for key in self._by_file.get(file, ()))
 
-    def take(self, keys: list[str]) -> list | None:
-        """The features of every key, each now the most recently used; None if any is not held (then none is
-        taken: the request decodes and encodes all its images)."""
+    def take(self, keys: list[str], rows: list[int]) -> list | None:
+        """The features of every key, each now the most recently used; None if any is not held, or not of the
+        rows (visual tokens) given for it (then none is taken: the request decodes and encodes all its images)."""
         with self._lock:
-            if not all(key in self._kept for key in keys):
+            if not all(key in self._kept and self._kept[key].shape[0] == count for key, count in zip(keys, rows)):
                 return None
             for key in keys:
                 self._kept.move_to_end(key)
@@ -58,23 +62,53 @@ class EncodedImages:
 
     def keep(self, key: str, features) -> None:
         """Hold an image's features (a tensor of its own), letting the least recently used go past the capacity."""
-        size = features.nbytes
-        if size > self.capacity_bytes:
+        if features.nbytes > self.capacity_bytes:
             return
         with self._lock:
-            earlier = self._kept.pop(key, None)
-            if earlier is not None:
-                self._held -= earlier.nbytes
+            self._drop(key)
             self._kept[key] = features
-            self._held += size
+            self._by_file.setdefault(_file_of(key), set()).add(key)
+            self._held += features.nbytes
             while self._held > self.capacity_bytes:
-                _, dropped = self._kept.popitem(last=False)
-                self._held -= dropped.nbytes
+                self._drop(next(iter(self._kept)))
+
+    def _drop(self, key: str) -> None:
+        dropped = self._kept.pop(key, None)
+        if dropped is not None:
+            self._held -= dropped.nbytes
+            keys = self._by_file[_file_of(key)]
+            keys.discard(key)
+            if not keys:
+                del self._by_file[_file_of(key)]
 
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
+            self._by_file.clear()
             self._held = 0
+
+
+def _file_of(key: str) -> str:
+    """The file identity an image key starts with (conversations.image_key: the identity, then how the image is
+    cut and encoded)."""
+    return key.rsplit("|", 2)[0]
+
+
+def held_media(messages: list[dict], conversations, images: EncodedImages) -> frozenset:
+    """The keys of the media of this request's earlier turns that kept conversations or `images` hold: what
+    its preparer is told (app.engine.inputs). None where its last question holds an image (then every image is
+    decoded) or no earlier turn does, so that a request's preparer is not sent every key held."""
+    if not messages or any(part["type"] == "image" for part in messages[-1]["content"]):
+        return frozenset()
+    files = set()
+    for message in messages[:-1]:
+        for part in message["content"]:
+            if part["type"] == "image":
+                try:
+                    files.add(file_identity(part["path"]))
+                except OSError:  # gone: its preparation says so
+                    pass
+    return conversations.held_media() | images.held(files) if files else frozenset()
 
 
 def _images_after_kept(prepared) -> list[tuple[str, int]]:
@@ -90,10 +124,10 @@ def take_held_images(prepared, cache: EncodedImages) -> bool:
     """For a request prepared without its images' pixels: whether its kept conversation and `cache` still hold
     every one of its images; if so, the features of those its conversation does not hold are taken into
     prepared.image_features (held by the request from now on, whatever the cache lets go)."""
-    rest = [key for key, _ in _images_after_kept(prepared)]
+    rest = _images_after_kept(prepared)
     if not rest:  # its kept conversation holds them all (no kept conversation: where each image lies is unknown)
         return prepared.kept is not None
-    features = cache.take(rest)
+    features = cache.take([key for key, _ in rest], [tokens for _, tokens in rest])
     prepared.image_features = features
     return features is not None
 
@@ -109,7 +143,7 @@ def wave_features(wave: list, encoded: list, cache: EncodedImages, runner) -> li
         elif feature is not None and cache.enabled and prepared.image_views and not prepared.video_tokens:
             images = _images_after_kept(prepared)
             if sum(tokens for _, tokens in images) == feature.shape[0]:  # else where each image's lie is unknown
-                for (key, _), part in zip(images, runner.pieces(feature, [tokens for _, tokens in images])):
+                for (key, _), part in zip(images, runner.pieces(feature, [tokens for _, tokens in images]) or ()):
                     cache.keep(key, part)
         prepared.image_features = None
         features.append(feature)

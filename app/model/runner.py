@@ -195,10 +195,16 @@ class BatchRunner:
         self.store.restore(snapshots, slots)
 
     @staticmethod
-    def pieces(tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    def pieces(tensor: torch.Tensor, rows: list[int]) -> list[torch.Tensor] | None:
         """The tensor's rows cut into pieces of rows[i] rows, each a copy of its own (an image's features, kept
-        apart from its request's: app.engine.encoded_images)."""
-        return [piece.clone() for piece in tensor.split(rows)]
+        apart from its request's: app.engine.encoded_images), or None where the GPU has no room for them: an
+        image not kept is only slower to come again."""
+        try:
+            return [piece.clone() for piece in tensor.split(rows)]
+        except torch.cuda.OutOfMemoryError:
+            pass
+        torch.cuda.empty_cache()  # here, not in the handler, whose traceback still holds the failed copies
+        return None
 
     @staticmethod
     def joined(parts: list[torch.Tensor]) -> torch.Tensor:
