@@ -108,14 +108,20 @@ def test_an_image_let_go_is_decoded_and_encoded_again_with_the_same_reply(manage
     assert follow_up.text == anew[1] and work.decoded.count(photo) == 1
 
 
-def test_a_new_image_beside_held_ones_decodes_and_encodes_them_all(manager, work, tmp_path):
-    """A request decodes all its images or none; each one's features are then kept again."""
+def two_images_asked_about(manager, work, tmp_path):
+    """(photo, other, the first question about the photo, its answer, the second about the other, its answer), the
+    answers with no images kept."""
     photo, other = make_image(tmp_path, "photo.png", (900, 700)), make_image(tmp_path, "other.png", (500, 400), (1, 2, 3))
     first = [user(photo, "What is it?")]
     work.use(0)
     answer = reply(manager, first).text
     second = first + [assistant(answer), user(other, "And this?")]
-    anew = reply(manager, second).text
+    return photo, other, first, answer, second, reply(manager, second).text
+
+
+def test_a_new_image_beside_held_ones_decodes_and_encodes_them_all(manager, work, tmp_path):
+    """A request decodes all its images or none; each one's features are then kept again."""
+    photo, other, first, answer, second, anew = two_images_asked_about(manager, work, tmp_path)
     third = second + [assistant(anew), user("Which is bluer?")]
     last = reply(manager, third).text
     images = work.use(2**30)
@@ -140,12 +146,7 @@ def test_a_new_image_beside_held_ones_decodes_and_encodes_them_all(manager, work
 def test_a_kept_conversation_holding_one_image_and_kept_features_the_other(manager, work, monkeypatch, tmp_path):
     """An edited earlier answer: only the state kept before it matches, holding the first image; the second, of a
     later turn, comes from the kept features. The reply is the one with nothing kept."""
-    photo, other = make_image(tmp_path, "photo.png", (900, 700)), make_image(tmp_path, "other.png", (500, 400), (1, 2, 3))
-    first = [user(photo, "What is it?")]
-    work.use(0)
-    answer = reply(manager, first).text
-    second = first + [assistant(answer), user(other, "And this?")]
-    answer2 = reply(manager, second).text
+    photo, other, first, answer, second, answer2 = two_images_asked_about(manager, work, tmp_path)
     edited = first + [assistant(answer + " (edited)"), user(other, "And this?"), assistant(answer2), user("Which is bluer?")]
     anew = reply(manager, edited).text
     work.use(2**30)
