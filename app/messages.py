@@ -47,6 +47,7 @@ MSG_SETTINGS_NOT_OBJECT = "settings must be a JSON object such as {\"max_new_tok
 MSG_NOT_FILES = "{label} must be a list of uploaded files (with gradio_client: [handle_file(path), ...]); {what}."
 MSG_TOO_FEW_VALUES = "Too few values: this call takes {count} ({names})."
 MSG_NOT_TAKEN = "{label} cannot take the value {value}."
+MSG_UNKNOWN_EVENT = "This app has no such event: see /gradio_api/info, or the page's \"Use via API\" link, for those it has."
 MSG_UNKNOWN_SETTING = "Unknown setting “{key}”. Known settings: {known}."
 MSG_MEDIA_TRIMMED = ("The {count} oldest messages were left out so that the conversation holds at most {limit} images "
                      "of {pixels:,} pixels together, or one video alone.")

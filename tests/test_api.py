@@ -213,3 +213,18 @@ def test_cancel_stops_generate_itself(client, manager, red_image):
     assert manager.active_generations == 0  # it left the running batch, long before 4000 tokens
     _, (_, stats) = stream(client, "Still there?", [], FIXED)
     assert stats["new_tokens"] == 24
+
+
+def test_an_event_the_app_does_not_have_is_404_with_a_message(server_url, client):
+    """Gradio had answered 500 and logged a traceback; the app goes on serving."""
+    import httpx
+
+    from app.messages import MSG_UNKNOWN_EVENT
+
+    unknown_name = httpx.post(server_url + "gradio_api/call/no_such_event", json={"data": []}, timeout=30)
+    unknown_index = httpx.post(server_url + "gradio_api/queue/join", timeout=30,
+                               json={"data": [], "fn_index": 99999, "session_hash": "unknown-event-test"})
+    for answer in (unknown_name, unknown_index):
+        assert answer.status_code == 404 and answer.json() == {"detail": MSG_UNKNOWN_EVENT}
+    reply, stats = stream(client, "Still there?", [], FIXED)[1]
+    assert reply.strip() and stats["done"]

@@ -54,6 +54,7 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     from app.web.openai_api import openai_routes
     from app.web.uploads import UploadJanitor, upload_route
     from app.web.guard import LoginRequired
+    from app.web.unknown_events import unknown_event_handlers
     from starlette.middleware import Middleware
 
     if config.share and not config.auth:
@@ -91,6 +92,7 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
                             # Gradio checks the login route by route and misses some: this checks every request.
                             "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token,
                                                       api_key=config.api_key, api_key_needed=api_key_needed(config))],
+                            "exception_handlers": unknown_event_handlers(),
                             **mcp_app_kwargs})
     janitor.start(running=lambda: demo.is_running)
     if not quiet:
