@@ -53,9 +53,6 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     from app.ui.mcp_tools import mcp_addresses, serve_mcp_tools
     from app.web.openai_api import openai_routes
     from app.web.uploads import UploadJanitor, upload_route
-    from app.web.guard import LoginRequired
-    from app.web.unknown_events import unknown_event_handlers
-    from starlette.middleware import Middleware
 
     if config.share and not config.auth:
         log.warning(MSG_SHARE_WITHOUT_AUTH)
@@ -89,11 +86,7 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
                 # Gradio's routes, so that the upload route replaces Gradio's.
                 app_kwargs={"routes": [metrics_route(manager), upload_route(janitor), cancel_on_reset_route(demo),
                                        *openai_routes(manager, janitor, slots)],
-                            # Gradio checks the login route by route and misses some: this checks every request.
-                            "middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token,
-                                                      api_key=config.api_key, api_key_needed=api_key_needed(config))],
-                            "exception_handlers": unknown_event_handlers(),
-                            **mcp_app_kwargs})
+                            **guards(config), **mcp_app_kwargs})
     janitor.start(running=lambda: demo.is_running)
     if not quiet:
         print(f"* Running on {demo.local_url}" + ("" if config.share else " (--share for a public link)"), flush=True)
@@ -104,6 +97,19 @@ def launch(config: AppConfig, manager, prevent_thread_lock: bool = False, quiet:
     if not prevent_thread_lock:
         demo.block_thread()
     return demo
+
+
+def guards(config: AppConfig) -> dict:
+    """The app's middleware and exception handlers: the login on every request (Gradio checks it route by route
+    and misses some), and 404 for an event the app does not have."""
+    from starlette.middleware import Middleware
+
+    from app.web.guard import LoginRequired
+    from app.web.unknown_events import unknown_event_handlers
+
+    return {"middleware": [Middleware(LoginRequired, metrics_token=config.metrics_token, api_key=config.api_key,
+                                      api_key_needed=api_key_needed(config))],
+            "exception_handlers": unknown_event_handlers()}
 
 
 def api_access(config: AppConfig) -> str:
