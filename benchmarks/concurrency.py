@@ -135,6 +135,9 @@ def run_level(users: int, duration: float, grace: float, metrics, make_requester
         # benchmarks/workloads.py).
         "reused_share": share([r[4]["reused_prompt_tokens"] > 0 for r in results
                                if r[4].get("reused_prompt_tokens") is not None]),
+        # The share whose earlier images' features were kept though their conversation's state was not (a restart).
+        "kept_images_share": share([r[4]["reused_image_tokens"] > 0 for r in results
+                                    if r[4].get("reused_image_tokens") is not None]),
         "opening_s": round(opening_s, 1),  # before the clock: a follow-up's users opening their conversations
         "peak_gpu_gib": round(engine["gpu_memory_peak_bytes"] / 2**30, 2) if engine["gpu_memory_peak_bytes"] else None,
         # Where a request's time to first token went: preprocessing (CPU, waiting for a turn included),

@@ -79,6 +79,10 @@ def test_a_conversation_started_again_neither_decodes_nor_encodes_its_image_agai
     assert started_again(manager, photo) == anew
     assert work.decoded.count(photo) == 1 and work.slices == slices
     assert len(images) == 1 and images.held_bytes > 0
+    first = [user(photo, "What is it?")]
+    stats = reply(manager, first + [assistant(anew[0]), user("And the size?")]).stats
+    assert stats["reused_image_tokens"] == stats["visual_tokens"] > 0 and stats["reused_prompt_tokens"] == 0
+    assert reply(manager, first).stats["reused_image_tokens"] == 0  # the last question's image: encoded anew
 
 
 def test_an_image_of_the_last_question_is_always_decoded_and_encoded(manager, work, tmp_path):

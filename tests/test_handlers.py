@@ -376,3 +376,5 @@ def test_the_stats_say_what_the_conversation_kept():
         stats_message({**stats, "reused_prompt_tokens": 686}, [])["content"]
     assert "Kept" not in stats_message({**stats, "reused_prompt_tokens": 0}, [])["content"]
     assert "Kept" not in stats_message(stats, [])["content"]  # an external server's
+    assert "| Images kept encoded | 640 tokens, not encoded again |" in \
+        stats_message({**stats, "reused_prompt_tokens": 0, "reused_image_tokens": 640}, [])["content"]

@@ -138,6 +138,8 @@ def prepared_summary(prepared, model_path: str, prepared_at: float) -> dict:
             "prompt_tokens": prepared.prompt_tokens,
             # Held by a kept conversation (app.engine.conversations): neither prefilled nor their media encoded.
             "reused_prompt_tokens": prepared.kept.length if prepared.kept is not None else 0,
+            # Earlier turns' images whose features were kept (app.engine.encoded_images): prefilled, not encoded.
+            "reused_image_tokens": sum(features.shape[0] for features in prepared.image_features or ()),
         },
     }
 

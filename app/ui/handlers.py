@@ -93,6 +93,8 @@ def stats_message(stats: dict, notices: list[str]) -> dict:
     rows = [("Prompt", f"{stats['prompt_tokens']:,} tokens")] if stats["prompt_tokens"] is not None else []
     if stats.get("reused_prompt_tokens"):  # what the engine kept of the conversation (an external server: none)
         rows.append(("Kept from the conversation", f"{stats['reused_prompt_tokens']:,} tokens, not read again"))
+    if stats.get("reused_image_tokens"):  # earlier turns' images kept encoded
+        rows.append(("Images kept encoded", f"{stats['reused_image_tokens']:,} tokens, not encoded again"))
     if stats["image_tokens"]:
         rows.append(("Images", ", ".join(f"#{i + 1} {n:,}" for i, n in enumerate(stats["image_tokens"])) + " tokens"))
     if stats["video_frames"]:
