@@ -96,7 +96,7 @@ def _file_of(key: str) -> str:
 
 def held_media(messages: list[dict], conversations, images: EncodedImages) -> frozenset:
     """The keys of the media of this request's earlier turns that kept conversations or `images` hold: what
-    its preparer is told (app.engine.inputs). None where its last question holds an image (then every image is
+    its preparer is told (app.engine.inputs). No key where its last question holds an image (then every image is
     decoded) or no earlier turn does, so that a request's preparer is not sent every key held."""
     if not messages or any(part["type"] == "image" for part in messages[-1]["content"]):
         return frozenset()

@@ -313,9 +313,9 @@ def _loaded_images(paths: list[str], images: dict, on_device: bool, may_hold_gil
 def _held_by_kept_conversations(processor, messages: list[dict], paths: list[str], settings: GenerationSettings,
                                 kept_media: frozenset, sizes: dict) -> list[tuple[int, int]] | None:
     """The images' (height, width) from their headers if kept conversations or encoded images hold every one
-    (their keys in `kept_media`: app.engine.encoded_images), else None. Never for an image of the last question, which no kept state of this
-    conversation can hold: if another's held it, this one would be prepared twice (and would learn, from
-    the time it took, that someone had sent that file)."""
+    (their keys in `kept_media`: app.engine.encoded_images), else None. Never for an image of the last question,
+    which no kept state of this conversation can hold: if another's held it, this one would be prepared twice
+    (and would learn, from the time it took, that someone had sent that file)."""
     if not paths or not kept_media or any(part["type"] == "image" for part in messages[-1]["content"]):
         return None
     upright = image_sizes(paths, sizes)
