@@ -2,8 +2,9 @@
 messages, one user's run of requests, and those messages as the OpenAI-compatible API takes them.
 
 Messages are the engine's (app.chat): {"role", "content": [{"type": "image" | "video", "path"}, {"type": "text",
-"text"}]}. A follow-up's user opens its conversation once, before the level's clock: its image and a question
-of its own (so that no two users hold the same conversation), answered by the engine. In engine mode each
+"text"}]}. A follow-up's user opens its conversation once, before the level's clock: its own copy of the image
+(own_copy) and a question of its own (so that no two users hold the same conversation or image), answered by the
+engine. In engine mode each
 timed request is the next turn of that conversation, which grows by each question and its answer, as a
 chat's does, for FOLLOW_UP_TURNS turns (the first round fewer), then starts again from its opening (in app
 mode the server keeps it, and it grows for the whole level); the OpenAI-style modes send the opening and its
@@ -15,6 +16,7 @@ import base64
 import mimetypes
 import os
 import tempfile
+import zlib
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cache
@@ -39,8 +41,8 @@ class Workload:
     follow_up: bool = False
 
     def opening_turn(self, user: int) -> dict:
-        """A follow-up's first user turn: the image and this user's own first question."""
-        return user_turn(self.media, f"User {user}: {QUESTION}")
+        """A follow-up's first user turn: this user's own copy of the image and its own first question."""
+        return user_turn(image_part(own_copy(self.media["path"], user)), f"User {user}: {QUESTION}")
 
     def timed_turn(self, user: int, request: int) -> dict:
         """The last user turn of a timed request, the `request`-th of `user`. Every request's words are its own,
@@ -79,6 +81,25 @@ def noise_image(side: int, image_format: str, tag: str = "") -> str:
 
 def image_part(path: str) -> dict:
     return {"type": "image", "path": path}
+
+
+def own_copy(path: str, user: int) -> str:
+    """The image at `path` as a file of `user`'s own, its pixels the same and its bytes not, with a comment of its
+    own (a JPEG's COM segment, a PNG's tEXt chunk): the app's caches know a file by its path, or by its bytes where
+    it names uploads by their hash, and 200 users' photos are 200 files (app.engine.encoded_images)."""
+    root, extension = os.path.splitext(path)
+    copy = f"{root}-user{user}{extension}"
+    with open(path, "rb") as file:
+        data = file.read()
+    comment = f"benchmark user {user}".encode()
+    if data.startswith(b"\xff\xd8"):  # JPEG: a comment segment right after its start marker
+        data = data[:2] + b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment + data[2:]
+    else:  # PNG: a text chunk right after its header chunk (8 bytes of signature, then 25 of IHDR)
+        body = b"tEXt" + b"Comment\x00" + comment
+        data = data[:33] + (len(body) - 4).to_bytes(4, "big") + body + zlib.crc32(body).to_bytes(4, "big") + data[33:]
+    with open(copy, "wb") as file:
+        file.write(data)
+    return copy
 
 
 def make_video(seconds: int = VIDEO_SECONDS, fps: int = 24, size: tuple[int, int] = (640, 360)) -> str:

@@ -34,3 +34,16 @@ def test_users_start_again_at_different_times_then_every_round():
     for user in (0, 7, 13):
         went_back = restarts(user, 3 * FOLLOW_UP_TURNS)
         assert all(b - a == FOLLOW_UP_TURNS for a, b in zip(went_back, went_back[1:])), went_back
+
+
+def test_each_follow_up_user_has_an_image_file_of_its_own_with_the_same_pixels():
+    """So that the app's caches, which know a file by its path or its bytes, see 200 users' 200 photos."""
+    import numpy as np
+    from PIL import Image
+
+    workload = make_workload("follow-up")
+    paths = [workload.opening_turn(user)["content"][0]["path"] for user in (1, 2)]
+    data = [open(path, "rb").read() for path in [workload.media["path"], *paths]]
+    assert len(set(paths)) == 2 and len(set(data)) == 3
+    pixels = [np.asarray(Image.open(path).convert("RGB")) for path in [workload.media["path"], *paths]]
+    assert all((p == pixels[0]).all() for p in pixels[1:])
