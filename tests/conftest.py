@@ -25,6 +25,33 @@ from app.config import AppConfig, apply_environment  # noqa: E402
 
 apply_environment()  # as every process of the app does when it starts (app.startup), for the servers run here
 
+
+def _share_one_tls_context() -> None:
+    """gradio_client opens a new httpx client for every upload and every request, and httpx builds each
+    of them a TLS context from certifi's bundle: about 20 ms of CPU on a small machine, taken from the
+    server that runs in this process, for URLs that are all plain http on the loopback. In this process
+    (the test runner; not the app's own processes) the default context is built once and shared, as
+    httpx advises; any other `verify` or `cert` still gets its own."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+
+    @functools.lru_cache(maxsize=None)
+    def default_context(trust_env: bool, cert_file, cert_dir):
+        return build(verify=True, trust_env=trust_env)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return default_context(trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_one_tls_context()
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
 
