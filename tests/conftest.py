@@ -26,12 +26,12 @@ from app.config import AppConfig, apply_environment  # noqa: E402
 apply_environment()  # as every process of the app does when it starts (app.startup), for the servers run here
 
 
-def _share_one_tls_context() -> None:
+def _share_one_tls_context():
     """gradio_client opens a new httpx client for every upload and every request, and httpx builds each
     of them a TLS context from certifi's bundle: about 20 ms of CPU on a small machine, taken from the
     server that runs in this process, for URLs that are all plain http on the loopback. In this process
     (the test runner; not the app's own processes) the default context is built once and shared, as
-    httpx advises; any other `verify` or `cert` still gets its own."""
+    httpx advises; any other `verify` or `cert` still gets its own. Returns httpx's own builder."""
     import functools
 
     import httpx._transports.default as transports
@@ -48,9 +48,11 @@ def _share_one_tls_context() -> None:
         return build(verify=verify, cert=cert, trust_env=trust_env)
 
     transports.create_ssl_context = create_ssl_context
+    return build
 
 
-_share_one_tls_context()
+# httpx's own, for a test whose clients must keep the pace of clients that build their TLS contexts
+httpx_own_ssl_context = _share_one_tls_context()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
