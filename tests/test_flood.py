@@ -68,7 +68,7 @@ def server(tmp_path_factory):
                 urllib.request.urlopen(url + "gradio_api/info", timeout=5)
                 break
             except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
+                time.sleep(0.1)
         yield Server(url, port, folder, files_under(folder))
     finally:
         process.terminate()

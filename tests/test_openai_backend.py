@@ -41,7 +41,7 @@ class Server:
                 urllib.request.urlopen(self.base_url + "/models", timeout=2)
                 return
             except OSError:
-                time.sleep(0.5)
+                time.sleep(0.1)
         raise TimeoutError("transformers serve did not start")
 
     def kill(self) -> None:

@@ -53,7 +53,7 @@ def serving(folder: str, log_path):
                 urllib.request.urlopen(url + "gradio_api/info", timeout=5)
                 break
             except (urllib.error.URLError, OSError):
-                time.sleep(1)
+                time.sleep(0.1)
         yield url
     finally:
         process.terminate()

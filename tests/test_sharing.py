@@ -52,7 +52,7 @@ def protected_app(tmp_path_factory):
                 break
             time.sleep(0.2)
         except OSError:
-            time.sleep(1)
+            time.sleep(0.1)
     yield url, log_path
     process.terminate()
     process.wait(30)
