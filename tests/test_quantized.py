@@ -28,8 +28,12 @@ def int4_checkpoint(method, tmp_path_factory):
     """The tiny random model quantized to int4 on the CPU (a subprocess: GPT-QModel patches libraries)."""
     work = tmp_path_factory.mktemp(method)  # GPT-QModel writes a logs/ folder where it runs
     out = str(work / f"tiny-{method}")
+    # One torch thread: GPT-QModel's capture of the calibration inputs, in torch's pool of a thread per
+    # core, took 4-40 s (0.4-1.3 s alone) whenever anything else ran on a 2-core machine, a test server say.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "quantize.py"), "--model", "tiny-random",
-                           "--method", method, "--out", out], cwd=work, capture_output=True, text=True, timeout=600)
+                           "--method", method, "--out", out], cwd=work, capture_output=True, text=True, timeout=600,
+                          env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
 
