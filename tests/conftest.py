@@ -31,12 +31,15 @@ def _share_one_tls_context():
     of them a TLS context from certifi's bundle: about 20 ms of CPU on a small machine, taken from the
     server that runs in this process, for URLs that are all plain http on the loopback. In this process
     (the test runner; not the app's own processes) the default context is built once and shared, as
-    httpx advises; any other `verify` or `cert` still gets its own. Returns httpx's own builder."""
+    httpx advises; any other `verify` or `cert` still gets its own. Returns httpx's own builder (None where an
+    httpx of another layout has none: then nothing is shared, and the suite is only slower)."""
     import functools
 
     import httpx._transports.default as transports
 
-    build = transports.create_ssl_context
+    build = getattr(transports, "create_ssl_context", None)
+    if build is None:
+        return None
 
     @functools.lru_cache(maxsize=None)
     def default_context(trust_env: bool, cert_file, cert_dir):

@@ -143,7 +143,8 @@ def clients_at_their_own_pace(monkeypatch):
     many requests a second."""
     import httpx._transports.default as transports
 
-    monkeypatch.setattr(transports, "create_ssl_context", httpx_own_ssl_context)
+    if httpx_own_ssl_context is not None:
+        monkeypatch.setattr(transports, "create_ssl_context", httpx_own_ssl_context)
 
 
 def test_uploads_leave_no_empty_temporary_files(server, tmp_path, clients_at_their_own_pace):
