@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 
 from app.engine.conversations import file_identity
+from app.engine.request_media import media_paths
 
 
 class EncodedImages:
@@ -101,13 +102,11 @@ def held_media(messages: list[dict], conversations, images: EncodedImages) -> fr
     if not messages or any(part["type"] == "image" for part in messages[-1]["content"]):
         return frozenset()
     files = set()
-    for message in messages[:-1]:
-        for part in message["content"]:
-            if part["type"] == "image":
-                try:
-                    files.add(file_identity(part["path"]))
-                except OSError:  # gone: its preparation says so
-                    pass
+    for path in media_paths(messages[:-1], "image"):
+        try:
+            files.add(file_identity(path))
+        except OSError:  # gone: its preparation says so
+            pass
     return conversations.held_media() | images.held(files) if files else frozenset()
 
 
