@@ -324,10 +324,17 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
     continued.run(embeddings[:30], [10, 15, 5], [100, 2040, 4090], slots)
     assert [bucket for *_, bucket in pieces] == [(16, 4096), (16, 8192)]
     pieces.clear(), replays.clear()
-    many = torch.zeros((64, 4))  # 64 generation prompts, one of a long conversation: more than the warm-up gathers
-    assert continued.run(many, [1] * 64, [100] * 63 + [3000], list(range(64))) is None and pieces == []
-    assert continued.run(many[:32], [1] * 32, [100] * 31 + [3000], list(range(32))) is not None
+    many = torch.zeros((64 * 164, 4))  # 64 generation prompts, one of a long conversation: more than a graph gathers
+    logits = continued.run(many[:64], [1] * 64, [100] * 63 + [3000], list(range(64)))
+    assert [(len(lens), bucket) for _, lens, _, _, bucket in pieces] == [(32, (16, 2048)), (32, (16, 4096))]
+    assert replays == [1, 2] and logits.shape[0] == 64  # in halves, each within the gathering limit
     pieces.clear(), replays.clear()
+    logits = continued.run(many, [164] * 64, [1200] * 64, list(range(64)))  # 64 follow-ups' new turns
+    assert [(len(lens), bucket) for _, lens, _, _, bucket in pieces] == [(32, (256, 2048))] * 2
+    assert logits.shape[0] == 64
+    pieces.clear(), replays.clear()
+    assert continued.run(many[:2 * 164], [164] * 2, [1200, 8100], [0, 1]) is None  # the second is past the store's
+    assert pieces == [] and replays == []
     store.column_capacity = 2048
 
     monkeypatch.setattr(continued, "_ready", lambda embeddings, lengths, *rest: ready(embeddings, ["fails"] if len(lengths) == 1 else lengths, *rest))
@@ -342,6 +349,7 @@ def test_the_warm_up_captures_the_continued_prefill_over_every_column_count_the_
     from types import SimpleNamespace
 
     from app.model.continued_graphs import CONTINUED_GRAPH_LENGTHS, ContinuedPrefillGraphs
+    from app.model.text.rows import GROUP_AREA
 
     store = SimpleNamespace(column_capacity=column_capacity, generation=0, device=torch.device("cpu"))
     fused = SimpleNamespace(embed=SimpleNamespace(embedding_dim=4, weight=torch.zeros(1)))
@@ -358,7 +366,8 @@ def test_the_warm_up_captures_the_continued_prefill_over_every_column_count_the_
     every_columns = [1024] if column_capacity == 1024 else [2048, 4096]
     assert sorted(buckets) == sorted((rows, (length, columns)) for columns in every_columns
                                      for rows, lengths in CONTINUED_GRAPH_LENGTHS.items() for length in lengths
-                                     if rows * columns <= 64 * 2048 and length <= columns)
+                                     if rows * columns <= 64 * 2048 and length <= columns
+                                     and rows * length * columns <= GROUP_AREA)
 
 
 def test_a_continued_bucket_with_no_memory_to_capture_is_launched_from_then_on_and_the_rest_still_captured(monkeypatch):

@@ -44,7 +44,7 @@ from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.engine.api import ReplyEvent
 from app.engine.request import Request, stream_update_interval
-from app.engine.waves import wave_size
+from app.engine.waves import prefilled_tokens, wave_size
 from app.errors import Busy, ServingFailed
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class Scheduler:
                 self._waiting = deque(request for request in self._waiting if not request.cancelled.is_set())
             count = 0
             if self._can_admit():
-                count = wave_size((request.prepared.prompt_tokens for request in self._waiting),
+                count = wave_size((prefilled_tokens(request.prepared) for request in self._waiting),
                                   self.max_batch - len(self._running), tuning.PREFILL_TOKENS_PER_STEP)
             admitted = [self._waiting.popleft() for _ in range(count)]
             for place, request in enumerate(self._waiting):

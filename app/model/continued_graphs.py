@@ -14,9 +14,11 @@ log = logging.getLogger(__name__)
 # Waves a captured continued prefill exists for (prompts going on from kept states: a follow-up's new turn,
 # and every prompt's generation prompt after its state is kept; app.engine.conversations), by their prompts'
 # count: the lengths they are padded to. Large waves for the generation prompts (a few tokens each), which
-# else would add a wave's launches from Python to every large wave, and for 8 or 16 follow-ups' new turns.
+# else would add a wave's launches from Python to every large wave, and for up to 32 follow-ups' new turns
+# (a wave counts a follow-up by its new turn: app.engine.waves.prefilled_tokens). A wave with no bucket is
+# cut in halves that have one (64 new turns: two graphs of 32) before it is launched from Python.
 CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16, 256),
-                           16: (16, 256), 32: (16,), 64: (16,)}
+                           16: (16, 256), 32: (16, 256), 64: (16,)}
 # The columns a captured continued prefill's attention reads of each slot: every one, however short the
 # conversation, so the fewest that hold its prompts of 2,048, 4,096, ... (at most the store's). A conversation
 # past 2,048 tokens replays graphs of its own (captured at warm-up up to the store's columns) rather than launches
@@ -50,21 +52,24 @@ class ContinuedPrefillGraphs(GraphSet):
         while columns <= self.store.column_capacity:
             for rows, lengths in CONTINUED_GRAPH_LENGTHS.items():
                 for length in lengths:
-                    if rows <= max_rows and length <= columns and not self.given_up:
+                    if rows > max_rows or length > columns or self.given_up:
+                        continue
+                    starts = [columns - length] * rows
+                    if self._bucket([1] * rows, starts, length):  # else run in halves, captured on their own
                         self.run(torch.zeros((rows, hidden), dtype=dtype, device=self.store.device), [1] * rows,
-                                 [columns - length] * rows, list(range(rows)), length)
+                                 starts, list(range(rows)), length)
             columns *= 2
 
     def run(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
             length: int | None = None) -> torch.Tensor | None:
         """FusedTextModel.prefill_continued's logits through captured graphs, a graph (captured now if need be)
-        for each piece of 2^k prompts, or None where a piece has no bucket or capturing failed (then no piece
-        has run: the prompts' slots are as they were)."""
+        for each piece of 2^k prompts (halved until it has a bucket), or None where a piece of one prompt has
+        no bucket or capturing failed (then no piece has run: the prompts' slots are as they were)."""
         if self.given_up:
             return None
         return in_pieces(embeddings, lengths, lambda start, end: self._bucket(lengths[start:end], starts[start:end], length),
                          lambda piece, start, end, bucket: self._ready(piece, lengths[start:end], starts[start:end],
-                                                                       slots[start:end], bucket))
+                                                                       slots[start:end], bucket), halve=True)
 
     def _bucket(self, lengths: list[int], starts: list[int], length: int | None) -> tuple[int, int] | None:
         """The length a piece of prompts of `lengths` going on after `starts` is padded to and the columns its

@@ -163,16 +163,21 @@ def graph_length(lengths_by_count: dict, lengths: list[int]) -> int | None:
     return next((size for size in lengths_by_count.get(len(lengths), ()) if size >= max(lengths)), None)
 
 
-def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, ready: Callable) -> torch.Tensor | None:
+def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, ready: Callable,
+              halve: bool = False) -> torch.Tensor | None:
     """The logits of a prefill of prompts of `lengths` (their embeddings packed back to back) run as pieces of 2^k
     prompts, a captured graph each, or None where a piece has no bucket (`bucket(start, end)`: what the
     prompts start:end are padded to, or None) or its graph cannot be made ready (`ready(their embeddings, start,
-    end, length)`: (graph, its output), its inputs in place, or None). Every piece is made ready before any is
-    replayed: one that fails leaves no piece run."""
-    pieces = power_of_two_pieces(len(lengths))
-    buckets = [bucket(start, start + rows) for start, rows in pieces]
-    if None in buckets:
-        return None
+    end, length)`: (graph, its output), its inputs in place, or None). With `halve`, a piece with no bucket is
+    cut in halves until each has one. Every piece is made ready before any is replayed: one that fails leaves no
+    piece run."""
+    pieces, buckets = [], []
+    for start, rows in power_of_two_pieces(len(lengths)):
+        for piece in _with_buckets(start, rows, bucket, halve):
+            if piece is None:
+                return None
+            pieces.append(piece[:2])
+            buckets.append(piece[2])
     graphs, at = [], 0
     for (start, rows), length in zip(pieces, buckets):
         size = sum(lengths[start:start + rows])
@@ -181,6 +186,17 @@ def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, re
             return None
         at += size
     return replayed(graphs)
+
+
+def _with_buckets(start: int, rows: int, bucket: Callable, halve: bool):
+    """(start, rows, bucket) of the piece of `rows` prompts from `start`, or of its halves (and theirs) where
+    it has no bucket and `halve`; None for a piece that has none."""
+    found = bucket(start, start + rows)
+    if found is not None or not halve or rows == 1:
+        yield None if found is None else (start, rows, found)
+        return
+    yield from _with_buckets(start, rows // 2, bucket, halve)
+    yield from _with_buckets(start + rows // 2, rows // 2, bucket, halve)
 
 
 def replayed(ready: list[tuple]) -> torch.Tensor:
