@@ -263,3 +263,23 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
     lengths = [ids.shape[1] for ids, _ in prompts]
     assert ContinuedPrefillGraphs(store, fused=None)._bucket(lengths, starts, None) is None
     assert len(prompts) == 8 and max(starts) + max(lengths) <= 1024 <= columns  # within the least a store reserves
+
+
+def test_a_wave_counts_follow_ups_by_their_new_turns_unless_they_are_prepared_again():
+    """Follow-ups of 1,500-token conversations that go on from kept states (164 new tokens each) join a wave 32 at a
+    time; prepared for a model since switched out, they are prepared again without their kept states (a
+    conversation cache is the model's): counted whole, 8 at a time, so the wave stays within its tokens."""
+    from types import SimpleNamespace
+
+    from app import tuning
+
+    def line(version: int) -> list[Request]:
+        return [Request(messages=[], prepared=PreparedInputs(tensors={}, prompt_tokens=1500, kept=SimpleNamespace(length=1336)),
+                        settings=GenerationSettings(), version=version, requested_at=0.0, emit=lambda kind, value: None)
+                for _ in range(40)]
+
+    assert tuning.PREFILL_TOKENS_PER_STEP == 16384
+    for version, wave in ((0, 32), (-1, 8)):
+        scheduler = Scheduler(max_batch=200, max_waiting=0, metrics=EngineMetrics())
+        scheduler._waiting.extend(line(version))
+        assert len(scheduler._next_admissions(wait=False)) == wave

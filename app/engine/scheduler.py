@@ -205,7 +205,9 @@ class Scheduler:
                 self._waiting = deque(request for request in self._waiting if not request.cancelled.is_set())
             count = 0
             if self._can_admit():
-                count = wave_size((prefilled_tokens(request.prepared) for request in self._waiting),
+                # One prepared for another model is prepared again at admission, its kept conversation gone.
+                count = wave_size((prefilled_tokens(request.prepared) if request.version == self.version
+                                   else request.prepared.prompt_tokens for request in self._waiting),
                                   self.max_batch - len(self._running), tuning.PREFILL_TOKENS_PER_STEP)
             admitted = [self._waiting.popleft() for _ in range(count)]
             for place, request in enumerate(self._waiting):
