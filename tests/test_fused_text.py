@@ -329,10 +329,30 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
     assert [(len(lens), bucket) for _, lens, _, _, bucket in pieces] == [(32, (16, 2048)), (32, (16, 4096))]
     assert replays == [1, 2] and logits.shape[0] == 64  # in halves, each within the gathering limit
     pieces.clear(), replays.clear()
-    logits = continued.run(many, [164] * 64, [1200] * 64, list(range(64)))  # 64 follow-ups' new turns
-    assert [(len(lens), bucket) for _, lens, _, _, bucket in pieces] == [(32, (256, 2048))] * 2
-    assert logits.shape[0] == 64
+    graphs_by_shape = {}
+
+    def sharing_ready(embeddings, lengths, starts, slots, bucket):
+        """As a captured graph is: one per shape, its inputs (here the slots) those put in place last."""
+        graph = graphs_by_shape.setdefault((len(lengths), bucket), SimpleNamespace(output=torch.zeros((len(lengths), 3))))
+        graph.slots = list(slots)
+        pieces.append((len(lengths), bucket))
+
+        def replay():
+            replays.append(graph.slots)
+            graph.output[:, 0] = torch.tensor(graph.slots, dtype=torch.float32)
+        graph.replay = replay
+        return graph, graph.output
+
+    monkeypatch.setattr(continued, "_ready", sharing_ready)
+    slots = list(range(100, 164))
+    logits = continued.run(many, [164] * 64, [1200] * 64, slots)  # 64 follow-ups' new turns: two halves of one shape
+    assert pieces == [(32, (256, 2048))] * 2 and replays == [slots[:32], slots[32:]]
+    assert logits[:, 0].tolist() == slots  # each half's own inputs, its logits in order
     pieces.clear(), replays.clear()
+    logits = continued.run(many[:48 * 164], [164] * 48, [1200] * 48, slots[:48])  # 32, then 16
+    assert replays == [slots[:32], slots[32:48]] and logits[:, 0].tolist() == slots[:48]
+    pieces.clear(), replays.clear()
+    monkeypatch.setattr(continued, "_ready", ready)
     assert continued.run(many[:2 * 164], [164] * 2, [1200, 8100], [0, 1]) is None  # the second is past the store's
     assert pieces == [] and replays == []
     store.column_capacity = 2048

@@ -257,29 +257,34 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
     went_on = []
     fused_one = runner(store)
     fused_one.continues = True
-    fused_one.prefill_continued = lambda prompts, starts, slots, columns: went_on.append((prompts, starts, columns))
+    fused_one.text.prefill_continued = lambda prompts, starts, slots, captured: went_on.append((prompts, starts, captured))
     BatchRunner._reserve_batch(fused_one, 8)
-    (prompts, starts, columns), = went_on  # the packed continued prefill's kernels built: a wave no graph holds
+    (prompts, starts, captured), = went_on  # the packed continued prefill's kernels built: a wave no graph holds
     lengths = [ids.shape[1] for ids, _ in prompts]
-    assert ContinuedPrefillGraphs(store, fused=None)._bucket(lengths, starts, None) is None
-    assert len(prompts) == 8 and max(starts) + max(lengths) <= 1024 <= columns  # within the least a store reserves
+    assert not captured and ContinuedPrefillGraphs(store, fused=None)._bucket(lengths, starts, None) is None
+    assert len(prompts) == 8 and max(starts) + max(lengths) <= 1024  # within the least a store reserves
 
 
-def test_a_wave_counts_follow_ups_by_their_new_turns_unless_they_are_prepared_again():
+def test_a_wave_counts_follow_ups_by_their_new_turns_and_those_prepared_again_whole():
     """Follow-ups of 1,500-token conversations that go on from kept states (164 new tokens each) join a wave 32 at a
-    time; prepared for a model since switched out, they are prepared again without their kept states (a
-    conversation cache is the model's): counted whole, 8 at a time, so the wave stays within its tokens."""
+    time. Prepared for a model since switched out, they are prepared again at admission without their kept states
+    (a conversation cache is the model's): 8 of the wave, counted whole, go on, the rest wait at the front of the
+    line in their order."""
     from types import SimpleNamespace
 
     from app import tuning
 
-    def line(version: int) -> list[Request]:
-        return [Request(messages=[], prepared=PreparedInputs(tensors={}, prompt_tokens=1500, kept=SimpleNamespace(length=1336)),
-                        settings=GenerationSettings(), version=version, requested_at=0.0, emit=lambda kind, value: None)
-                for _ in range(40)]
-
     assert tuning.PREFILL_TOKENS_PER_STEP == 16384
     for version, wave in ((0, 32), (-1, 8)):
+        line = [Request(messages=[], prepared=PreparedInputs(tensors={}, prompt_tokens=1500, kept=SimpleNamespace(length=1336)),
+                        settings=GenerationSettings(), version=version, requested_at=0.0, emit=lambda kind, value: None)
+                for _ in range(40)]
         scheduler = Scheduler(max_batch=200, max_waiting=0, metrics=EngineMetrics())
-        scheduler._waiting.extend(line(version))
-        assert len(scheduler._next_admissions(wait=False)) == wave
+        scheduler._prepare_again = lambda request: PreparedInputs(tensors={}, prompt_tokens=1500)
+        scheduler.runner = SimpleNamespace(encode_media_ahead=lambda batch, decoding: object())
+        scheduler._waiting.extend(line)
+        admitted = scheduler._next_admissions(wait=False)
+        assert admitted == line[:32]
+        scheduler._encode(admitted)
+        assert scheduler._encoding[0] == line[:wave] and list(scheduler._waiting) == line[wave:]
+        assert all(request.version == 0 for request in line[:32])

@@ -3,8 +3,8 @@
 Continuous batching with joins at step boundaries. One scheduler thread loops:
 
 1. admit waiting requests, first come first served, while slots are free: a wave of 1, 2, 4, 8...
-   requests holding at most tuning.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so the GPU
-   kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
+   requests prefilling at most tuning.PREFILL_TOKENS_PER_STEP tokens with padding (a follow-up: its new
+   turn, app.engine.waves), so the GPU kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
    of its own, so that the running replies' decode steps can go on meanwhile: see app.model.runner);
 2. once a wave's media are encoded, prefill its requests together into their slots
    (app.model.batch_cache) and choose their first tokens, handed out with the next step; once that step
@@ -12,12 +12,11 @@ Continuous batching with joins at step boundaries. One scheduler thread loops:
 3. launch one decode step shared by every running request, then hand each its token from the step
    before (and a wave's first tokens), which the host reads while this one runs. The next step's input
    is the last one's output, already on the GPU, so the GPU need not wait for the host's bookkeeping
-   between steps: on an H200 a lone reply's step takes 1.22 ms in the scheduler (1.45-1.60 before)
-   against 1.16-1.17 for the captured step alone (docs/DECISIONS.md D19). Nothing between two launches
-   may wait for the GPU (app.model.transfers): a wave is prefilled behind the step in flight, and
-   requests that end leave their slots behind it too, the next step's inputs gathered on the GPU into
-   the new slot order (D50). A request that ended at the step handed out is in the step running and
-   gets no more tokens from it. So a request stopped by its caller is in at most two more steps.
+   between steps (docs/DECISIONS.md D19). Nothing between two launches may wait for the GPU
+   (app.model.transfers): a wave is prefilled behind the step in flight, and requests that end leave
+   their slots behind it too, the next step's inputs gathered on the GPU into the new slot order (D50).
+   A request that ended at the step handed out is in the step running and gets no more tokens from it.
+   So a request stopped by its caller is in at most two more steps.
 
 Between steps a request that finished, was stopped, or whose client went away leaves its slot; the
 others never notice. Joining at step boundaries rather than in waves means a newcomer waits for at
@@ -205,9 +204,7 @@ class Scheduler:
                 self._waiting = deque(request for request in self._waiting if not request.cancelled.is_set())
             count = 0
             if self._can_admit():
-                # One prepared for another model is prepared again at admission, its kept conversation gone.
-                count = wave_size((prefilled_tokens(request.prepared) if request.version == self.version
-                                   else request.prepared.prompt_tokens for request in self._waiting),
+                count = wave_size((prefilled_tokens(request.prepared) for request in self._waiting),
                                   self.max_batch - len(self._running), tuning.PREFILL_TOKENS_PER_STEP)
             admitted = [self._waiting.popleft() for _ in range(count)]
             for place, request in enumerate(self._waiting):
@@ -219,15 +216,19 @@ class Scheduler:
     def _encode(self, admitted: list[Request]) -> None:
         """Start encoding the media of a wave of newcomers (self._encoding)."""
         now = time.perf_counter()
-        for request in admitted:
-            request.started_at = now
-            if request.version != self.version:
-                try:
-                    request.prepared = self._prepare_again(request)
-                    request.version = self.version
-                except Exception as error:
-                    request.emit(ReplyEvent.ERROR, error)
+        again = [request for request in admitted if request.version != self.version]
+        for request in again:
+            try:
+                request.prepared = self._prepare_again(request)
+                request.version = self.version
+            except Exception as error:
+                request.emit(ReplyEvent.ERROR, error)
         admitted = [request for request in admitted if request.version == self.version]
+        if again:  # prepared for the model switched out, a follow-up is prefilled whole now: the rest wait
+            count = wave_size((prefilled_tokens(r.prepared) for r in admitted), len(admitted), tuning.PREFILL_TOKENS_PER_STEP)
+            with self._changed:
+                self._waiting.extendleft(reversed(admitted[count:]))
+            admitted = admitted[:count]
         if not admitted:
             return
         try:
@@ -237,6 +238,7 @@ class Scheduler:
             self._fail(admitted, error)
             return
         for request in admitted:
+            request.started_at = now
             request.prepared.drop_pixels()
         self._encoding = (admitted, encoding)
         self.metrics.prefill_work(time.perf_counter() - now)

@@ -12,9 +12,9 @@ def padded_length(tokens: int) -> int:
 
 
 def prefilled_tokens(prepared) -> int:
-    """The tokens a waiting request's prompt (app.engine.inputs.PreparedInputs) has prefilled: those after its
-    kept conversation's, if it goes on from one (app.engine.conversations), else all. A follow-up of a long
-    conversation counts as its new turn: counted whole, no more than 8 of them joined a wave (docs/DECISIONS.md D57)."""
+    """The tokens a waiting request's prompt (app.engine.inputs.PreparedInputs) prefills: those after its kept
+    conversation's, if it goes on from one (app.engine.conversations), else all. Counted whole, no more than 8
+    follow-ups of a long conversation joined a wave (docs/DECISIONS.md D57)."""
     return prepared.prompt_tokens - (prepared.kept.length if prepared.kept is not None else 0)
 
 

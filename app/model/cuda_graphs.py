@@ -169,23 +169,32 @@ def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, re
     prompts, a captured graph each, or None where a piece has no bucket (`bucket(start, end)`: what the
     prompts start:end are padded to, or None) or its graph cannot be made ready (`ready(their embeddings, start,
     end, length)`: (graph, its output), its inputs in place, or None). With `halve`, a piece with no bucket is
-    cut in halves until each has one. Every piece is made ready before any is replayed: one that fails leaves no
-    piece run."""
-    pieces, buckets = [], []
+    cut in halves until each has one. Every graph is made ready before any is replayed: one that fails leaves
+    no piece run. Pieces of one shape (halves) share a graph: the later ones' inputs are put in place after the
+    one before has replayed."""
+    pieces = []  # (first prompt, prompts, bucket, first embedding row)
+    at = 0
     for start, rows in power_of_two_pieces(len(lengths)):
         for piece in _with_buckets(start, rows, bucket, halve):
             if piece is None:
                 return None
-            pieces.append(piece[:2])
-            buckets.append(piece[2])
-    graphs, at = [], 0
-    for (start, rows), length in zip(pieces, buckets):
+            pieces.append((*piece, at))
+            at += sum(lengths[piece[0]:piece[0] + piece[1]])
+
+    def made_ready(start: int, rows: int, length, first_row: int):
         size = sum(lengths[start:start + rows])
-        graphs.append(ready(embeddings[at:at + size], start, start + rows, length))
+        return ready(embeddings[first_row:first_row + size], start, start + rows, length)
+
+    graphs, shapes = [], set()
+    for start, rows, length, first_row in pieces:
+        if (rows, length) in shapes:  # its inputs are put in place once the piece before has replayed
+            graphs.append(lambda piece=(start, rows, length, first_row): made_ready(*piece))
+            continue
+        graphs.append(made_ready(start, rows, length, first_row))
         if graphs[-1] is None:
             return None
-        at += size
-    return replayed(graphs)
+        shapes.add((rows, length))
+    return replayed(graphs, len(lengths))
 
 
 def _with_buckets(start: int, rows: int, bucket: Callable, halve: bool):
@@ -199,19 +208,24 @@ def _with_buckets(start: int, rows: int, bucket: Callable, halve: bool):
     yield from _with_buckets(start + rows // 2, rows // 2, bucket, halve)
 
 
-def replayed(ready: list[tuple]) -> torch.Tensor:
-    """Replay each piece's graph in turn ((graph, its output) pairs, their inputs in place): the logits of all.
-    Where there are several, each output is copied out before the next replay: graphs of one pool may reuse
-    memory another's output lies in."""
+def replayed(ready: list, prompts: int) -> torch.Tensor:
+    """Replay each piece's graph in turn ((graph, its output) pairs, their inputs in place, or for a piece that
+    shares a graph with one before it, a function that puts its inputs in place and gives that pair): the
+    logits of the `prompts` of all. Where there are several, each output is copied out before the next replay:
+    graphs of one pool may reuse memory another's output lies in."""
     if len(ready) == 1:
         graph, logits = ready[0]
         graph.replay()
         return logits
-    joined = torch.empty((sum(logits.shape[0] for _, logits in ready), ready[0][1].shape[1]),
-                         dtype=ready[0][1].dtype, device=ready[0][1].device)
-    at = 0
-    for graph, logits in ready:
+    joined, at = None, 0
+    for piece in ready:
+        made = piece() if callable(piece) else piece
+        if made is None:  # its graph was made ready moments ago, in this wave
+            raise RuntimeError("A captured prefill graph was let go in the middle of its wave")
+        graph, logits = made
         graph.replay()
+        if joined is None:
+            joined = torch.empty((prompts, logits.shape[1]), dtype=logits.dtype, device=logits.device)
         joined[at:at + logits.shape[0]].copy_(logits)
         at += logits.shape[0]
     return joined
