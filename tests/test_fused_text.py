@@ -431,3 +431,34 @@ def test_a_continued_bucket_with_no_memory_to_capture_is_launched_from_then_on_a
     failures[1024] = RuntimeError("operation not permitted when stream is capturing")
     assert graphs.run(torch.zeros((40, 4)), [40], [200], [2]) is None  # another bucket (64 tokens): not memory
     assert graphs.given_up and graphs.run(torch.zeros((10, 4)), [10], [100], [2]) is None
+
+
+def test_halves_of_one_shape_each_replay_their_own_inputs_through_the_graphs_static_buffers(monkeypatch):
+    """64 follow-ups' new turns run as two halves of 32 that share one captured graph and so its static inputs
+    (ContinuedPrefillGraphs._ready puts a piece's embeddings and slots there): the second half's are put in
+    place only after the first has replayed, so each replay runs its own prompts and their logits come out in
+    order. The graph here reads its static inputs when replayed, as a CUDA graph does."""
+    from types import SimpleNamespace
+
+    from app.model.continued_graphs import ContinuedPrefillGraphs
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: tensor)  # no CUDA here
+    store = SimpleNamespace(column_capacity=2048, generation=0, device=torch.device("cpu"), conv={}, recurrent={})
+    graphs = ContinuedPrefillGraphs(store, fused=None)
+    replayed_slots = []
+
+    def capture_bucket(static_embeddings, static_places, rows, length, columns):
+        output = torch.zeros((rows, 1))
+
+        def replay():
+            replayed_slots.append(static_places[2 * rows:].tolist())
+            output[:, 0] = static_embeddings.view(rows, length, -1)[:, 0, 0]  # each row's first embedding value
+        graphs.captured[rows, length, columns] = (static_embeddings, static_places, SimpleNamespace(replay=replay), output)
+        return graphs.captured[rows, length, columns]
+
+    monkeypatch.setattr(graphs, "_capture_bucket", capture_bucket)
+    embeddings = torch.cat([torch.full((164, 2), float(row)) for row in range(64)])
+    logits = graphs.run(embeddings, [164] * 64, [1200] * 64, list(range(100, 164)))
+    assert list(graphs.captured) == [(32, 256, 2048)]
+    assert replayed_slots == [list(range(100, 132)), list(range(132, 164))]
+    assert logits[:, 0].tolist() == [float(row) for row in range(64)]
