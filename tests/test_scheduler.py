@@ -264,27 +264,3 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
     assert not captured and ContinuedPrefillGraphs(store, fused=None)._bucket(lengths, starts, None) is None
     assert len(prompts) == 8 and max(starts) + max(lengths) <= 1024  # within the least a store reserves
 
-
-def test_a_wave_counts_follow_ups_by_their_new_turns_and_those_prepared_again_whole():
-    """Follow-ups of 1,500-token conversations that go on from kept states (164 new tokens each) join a wave 32 at a
-    time. Prepared for a model since switched out, they are prepared again at admission without their kept states
-    (a conversation cache is the model's): 8 of the wave, counted whole, go on, the rest wait at the front of the
-    line in their order."""
-    from types import SimpleNamespace
-
-    from app import tuning
-
-    assert tuning.PREFILL_TOKENS_PER_STEP == 16384
-    for version, wave in ((0, 32), (-1, 8)):
-        line = [Request(messages=[], prepared=PreparedInputs(tensors={}, prompt_tokens=1500, kept=SimpleNamespace(length=1336)),
-                        settings=GenerationSettings(), version=version, requested_at=0.0, emit=lambda kind, value: None)
-                for _ in range(40)]
-        scheduler = Scheduler(max_batch=200, max_waiting=0, metrics=EngineMetrics())
-        scheduler._prepare_again = lambda request: PreparedInputs(tensors={}, prompt_tokens=1500)
-        scheduler.runner = SimpleNamespace(encode_media_ahead=lambda batch, decoding: object())
-        scheduler._waiting.extend(line)
-        admitted = scheduler._next_admissions(wait=False)
-        assert admitted == line[:32]
-        scheduler._encode(admitted)
-        assert scheduler._encoding[0] == line[:wave] and list(scheduler._waiting) == line[wave:]
-        assert all(request.version == 0 for request in line[:32])

@@ -47,18 +47,3 @@ def test_the_line_is_read_lazily_and_only_as_far_as_the_wave_goes():
 
     assert wave_size(prompts(), 4, 16384) == 4
     assert len(read) == 4
-
-
-def test_a_follow_up_counts_its_new_turn_only_so_that_a_crowd_of_them_joins_one_wave():
-    """A prompt going on from a kept conversation prefills only what follows it (app.engine.conversations): 32
-    follow-ups of 1,500-token conversations with 164 new tokens each fill a wave of 32, where counted whole
-    they made waves of 8."""
-    from types import SimpleNamespace
-
-    from app.engine.waves import prefilled_tokens
-
-    follow_up = SimpleNamespace(prompt_tokens=1500, kept=SimpleNamespace(length=1336))
-    new = SimpleNamespace(prompt_tokens=1500, kept=None)
-    assert prefilled_tokens(follow_up) == 164 and prefilled_tokens(new) == 1500
-    assert wave_size([prefilled_tokens(follow_up)] * 40, 200, 16384) == 32
-    assert wave_size([prefilled_tokens(new)] * 40, 200, 16384) == 8

@@ -3,8 +3,8 @@
 Continuous batching with joins at step boundaries. One scheduler thread loops:
 
 1. admit waiting requests, first come first served, while slots are free: a wave of 1, 2, 4, 8...
-   requests prefilling at most tuning.PREFILL_TOKENS_PER_STEP tokens with padding (a follow-up: its new
-   turn, app.engine.waves), so the GPU kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
+   requests holding at most tuning.PREFILL_TOKENS_PER_STEP prompt tokens with padding, so the GPU
+   kernels meet few shapes; start encoding the media of the whole wave together (on CUDA on a stream
    of its own, so that the running replies' decode steps can go on meanwhile: see app.model.runner);
 2. once a wave's media are encoded, prefill its requests together into their slots
    (app.model.batch_cache) and choose their first tokens, handed out with the next step; once that step
@@ -43,7 +43,7 @@ from app.engine.inputs import PreparedInputs
 from app.engine.metrics import EngineMetrics
 from app.engine.api import ReplyEvent
 from app.engine.request import Request, stream_update_interval
-from app.engine.waves import prefilled_tokens, wave_size
+from app.engine.waves import wave_size
 from app.errors import Busy, ServingFailed
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class Scheduler:
                 self._waiting = deque(request for request in self._waiting if not request.cancelled.is_set())
             count = 0
             if self._can_admit():
-                count = wave_size((prefilled_tokens(request.prepared) for request in self._waiting),
+                count = wave_size((request.prepared.prompt_tokens for request in self._waiting),
                                   self.max_batch - len(self._running), tuning.PREFILL_TOKENS_PER_STEP)
             admitted = [self._waiting.popleft() for _ in range(count)]
             for place, request in enumerate(self._waiting):
@@ -216,19 +216,15 @@ class Scheduler:
     def _encode(self, admitted: list[Request]) -> None:
         """Start encoding the media of a wave of newcomers (self._encoding)."""
         now = time.perf_counter()
-        again = [request for request in admitted if request.version != self.version]
-        for request in again:
-            try:
-                request.prepared = self._prepare_again(request)
-                request.version = self.version
-            except Exception as error:
-                request.emit(ReplyEvent.ERROR, error)
+        for request in admitted:
+            request.started_at = now
+            if request.version != self.version:
+                try:
+                    request.prepared = self._prepare_again(request)
+                    request.version = self.version
+                except Exception as error:
+                    request.emit(ReplyEvent.ERROR, error)
         admitted = [request for request in admitted if request.version == self.version]
-        if again:  # prepared for the model switched out, a follow-up is prefilled whole now: the rest wait
-            count = wave_size((prefilled_tokens(r.prepared) for r in admitted), len(admitted), tuning.PREFILL_TOKENS_PER_STEP)
-            with self._changed:
-                self._waiting.extendleft(reversed(admitted[count:]))
-            admitted = admitted[:count]
         if not admitted:
             return
         try:
@@ -238,7 +234,6 @@ class Scheduler:
             self._fail(admitted, error)
             return
         for request in admitted:
-            request.started_at = now
             request.prepared.drop_pixels()
         self._encoding = (admitted, encoding)
         self.metrics.prefill_work(time.perf_counter() - now)

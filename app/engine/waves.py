@@ -11,16 +11,9 @@ def padded_length(tokens: int) -> int:
     return -(-tokens // multiple) * multiple
 
 
-def prefilled_tokens(prepared) -> int:
-    """The tokens a waiting request's prompt (app.engine.inputs.PreparedInputs) prefills: those after its kept
-    conversation's, if it goes on from one (app.engine.conversations), else all. Counted whole, no more than 8
-    follow-ups of a long conversation joined a wave (docs/DECISIONS.md D57)."""
-    return prepared.prompt_tokens - (prepared.kept.length if prepared.kept is not None else 0)
-
-
 def wave_size(prompt_tokens: Iterable[int], free_slots: int, token_budget: int) -> int:
-    """How many requests from the front of the line (the tokens each prefills, prefilled_tokens, in line
-    order) join the next prefill: as many as the free slots hold while the wave, each prompt padded to its longest, fits
+    """How many requests from the front of the line (their prompts' token counts, in line order) join the
+    next prefill: as many as the free slots hold while the wave, each prompt padded to its longest, fits
     `token_budget` (the first always joins: a prompt longer than the budget is prefilled alone), then
     rounded down to a power of 2, so that prefill shapes stay few (see PREFILL_LENGTH_MULTIPLE)."""
     count, longest = 0, 0

@@ -14,11 +14,11 @@ log = logging.getLogger(__name__)
 # Waves a captured continued prefill exists for (prompts going on from kept states: a follow-up's new turn,
 # and every prompt's generation prompt after its state is kept; app.engine.conversations), by their prompts'
 # count: the lengths they are padded to. Large waves for the generation prompts (a few tokens each), which
-# else would add a wave's launches from Python to every large wave, and for up to 32 follow-ups' new turns
-# (a wave counts a follow-up by its new turn: app.engine.waves.prefilled_tokens). A wave with no bucket is
-# cut in halves that have one (64 new turns: two graphs of 32) before it is launched from Python.
+# else would add a wave's launches from Python to every large wave, and for 8 or 16 follow-ups' new turns. A
+# wave with no bucket is cut in halves that have one (64 generation prompts over 4,096 columns: two graphs of 32)
+# before it is launched from Python.
 CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16, 256),
-                           16: (16, 256), 32: (16, 256), 64: (16,)}
+                           16: (16, 256), 32: (16,), 64: (16,)}
 # The columns a captured continued prefill's attention reads of each slot: every one, however short the
 # conversation, so the fewest that hold its prompts of 2,048, 4,096, ... (at most the store's). A conversation
 # past 2,048 tokens replays graphs of its own (captured at warm-up up to the store's columns) rather than launches
