@@ -1,5 +1,11 @@
 """The exception types whose message is meant for the user, by what went wrong (the OpenAI-compatible API
-answers each with its own HTTP status: app.web.openai_api)."""
+answers each with its own HTTP status: app.web.openai_api), and what makes a message's text fit to show."""
+
+
+def displayable(text: str) -> str:
+    """`text` with each lone surrogate (which JSON can carry and no UTF-8 message can: Gradio's event stream
+    broke off on one, for every event of the session) shown as "?"."""
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
 
 
 class UserError(ValueError):

@@ -5,7 +5,7 @@ import os
 
 from app import limits
 from app.messages import MSG_NOT_AN_UPLOAD, MSG_UNSUPPORTED_FILE, MSG_UPLOAD_GONE
-from app.errors import UserError
+from app.errors import UserError, displayable
 
 
 def media_kind(path: str) -> str:
@@ -41,10 +41,8 @@ def check_local_file(path) -> None:
 
 
 def shown_name(path) -> str:
-    """A file's name for a message: its last part, cut short, a lone surrogate (which no UTF-8 message can carry:
-    Gradio's event stream broke off on one) shown as "?"."""
-    name = os.path.basename(str(path).rstrip("/")) or str(path)
-    name = name.encode("utf-8", "replace").decode("utf-8") if not name.isascii() else name
+    """A file's name for a message: its last part, cut short and displayable."""
+    name = displayable(os.path.basename(str(path).rstrip("/")) or str(path))
     return name if len(name) <= 80 else name[:77] + "..."
 
 

@@ -5,14 +5,15 @@ import logging
 
 import gradio as gr
 
+from app.errors import displayable
+
 log = logging.getLogger("app.refused")
 
 
 def refusal(message: str) -> gr.Error:
-    """The gr.Error to raise for `message`, logged as one line. A lone surrogate that the message quotes from the
-    request (an unknown setting's name, say) is shown as "?": Gradio's event stream broke off on it, for every
-    event of the session."""
-    message = message.encode("utf-8", "replace").decode("utf-8")
+    """The gr.Error to raise for `message`, logged as one line; what it quotes from the request (an unknown
+    setting's name, say) made displayable."""
+    message = displayable(message)
     log_refusal(message)
     return gr.Error(message, print_exception=False)
 
