@@ -16,9 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import AppConfig  # noqa: E402
 from app.engine.core import ModelManager  # noqa: E402
-from app.engine.settings import GenerationSettings  # noqa: E402
-from benchmarks.real_shape import QUESTION, benchmark_parser, benchmark_request, chosen_model  # noqa: E402
-from benchmarks.workloads import FOLLOW_UP_QUESTION, assistant_turn, user_turn  # noqa: E402
+from benchmarks.experiments.follow_up_wave import kept_follow_up  # noqa: E402
+from benchmarks.real_shape import benchmark_parser, chosen_model  # noqa: E402
 
 
 def states(store, slots: list[int]) -> list:
@@ -35,21 +34,11 @@ def main() -> None:
     manager = ModelManager(AppConfig(model=chosen_model(args), engine_process=False))
     manager.load()
     manager.warm_up()
-    image, _ = benchmark_request("jpeg")
-    opening = [user_turn({"type": "image", "path": image}, QUESTION)]
-    follow_up = [*opening, assistant_turn("A grey field. " * 40), user_turn(None, FOLLOW_UP_QUESTION)]
-    settings = GenerationSettings(max_new_tokens=128, enable_thinking=False)
-    first, second = manager.prepare(opening, settings), manager.prepare(follow_up, settings)
-    kept_at, turn = first.turn_starts[-1], second.turn_starts[-1]
-    ids = second.tensors["input_ids"]
-    known = ids[0].unique().tolist()
-    columns = ids.shape[1] + 128
     runner = manager.runner
     failures = []
     with runner.serving():
-        features = runner.encode_media([(first.tensors, settings.downsample_mode)])[0]
-        runner.prefill([(ids[:, :kept_at], features, None)], 0, columns)
-        kept = runner.snapshots([0], [kept_at])[0]
+        ids, kept_at, turn, columns, kept = kept_follow_up(manager, "A grey field. " * 40)
+        known = ids[0].unique().tolist()
         for count in [int(n) for n in args.prompts.split(",")]:
             slots = list(range(count))
             prompts = []

@@ -53,6 +53,24 @@ def part_times(run, cuda: bool, runs: int) -> tuple[float, dict]:
                                       "top": {name: value["ms"] for name, value in list(report["top_kernels"].items())[:6]}}
 
 
+def kept_follow_up(manager, reply: str):
+    """The benchmarks' follow-up to their 1344x1344 photo after `reply`, its opening prefilled into slot 0 and
+    the state at the follow-up's kept length snapshotted (call within manager.runner.serving()): (its input ids,
+    the kept length, where its generation prompt starts, the columns a slot needs, the kept state)."""
+    image, _ = benchmark_request("jpeg")
+    opening = [user_turn({"type": "image", "path": image}, QUESTION)]
+    follow_up = [*opening, assistant_turn(reply), user_turn(None, FOLLOW_UP_QUESTION)]
+    settings = GenerationSettings(max_new_tokens=128, enable_thinking=False)
+    first, second = manager.prepare(opening, settings), manager.prepare(follow_up, settings)
+    kept_at, turn = first.turn_starts[-1], second.turn_starts[-1]
+    ids = second.tensors["input_ids"]
+    columns = ids.shape[1] + 128
+    runner = manager.runner
+    features = runner.encode_media([(first.tensors, settings.downsample_mode)])[0]
+    runner.prefill([(ids[:, :kept_at], features, None)], 0, columns)
+    return ids, kept_at, turn, columns, runner.snapshots([0], [kept_at])[0]
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--prompts", default="1,8,16", help="waves' sizes, comma-separated")
@@ -63,25 +81,15 @@ def main() -> None:
     manager.load()
     manager.warm_up()
     cuda = str(manager.device).startswith("cuda")
-    image, _ = benchmark_request("jpeg")
-    opening = [user_turn({"type": "image", "path": image}, QUESTION)]
     tokenizer = manager.processor.tokenizer
     reply = tokenizer.decode(tokenizer(SENTENCE * REPLY_TOKENS)["input_ids"][:REPLY_TOKENS])
-    follow_up = [*opening, assistant_turn(reply), user_turn(None, FOLLOW_UP_QUESTION)]
-    settings = GenerationSettings(max_new_tokens=128, enable_thinking=False)
-    first, second = manager.prepare(opening, settings), manager.prepare(follow_up, settings)
-    kept_at, turn = first.turn_starts[-1], second.turn_starts[-1]
-    ids = second.tensors["input_ids"]
-    columns = ids.shape[1] + 128
     runner = manager.runner
-    print(f"follow-up: {ids.shape[1]} prompt tokens, kept {kept_at}, new turn {kept_at}-{turn}, generation prompt "
-          f"{turn}-{ids.shape[1]}; {columns} columns a slot")
-    print("| prompts | part | wall ms | GPU busy ms | GPU ms by kind | costliest kernels (ms) |")
-    print("|---|---|---|---|---|---|")
     with runner.serving():
-        features = runner.encode_media([(first.tensors, settings.downsample_mode)])[0]
-        runner.prefill([(ids[:, :kept_at], features, None)], 0, columns)
-        kept = runner.snapshots([0], [kept_at])[0]
+        ids, kept_at, turn, columns, kept = kept_follow_up(manager, reply)
+        print(f"follow-up: {ids.shape[1]} prompt tokens, kept {kept_at}, new turn {kept_at}-{turn}, generation prompt "
+              f"{turn}-{ids.shape[1]}; {columns} columns a slot")
+        print("| prompts | part | wall ms | GPU busy ms | GPU ms by kind | costliest kernels (ms) |")
+        print("|---|---|---|---|---|---|")
         for count in [int(n) for n in args.prompts.split(",")]:
             slots = list(range(count))
             parts = {
