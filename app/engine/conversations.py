@@ -22,10 +22,10 @@ only if it repeats that conversation token for token, with the same media files 
 
 import logging
 import os
-import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 
+from app.engine.bounded_cache import BoundedCache
 from app.engine.jpegs_on_device import DECODED_PIXELS, DEFERRED_IMAGES
 from app.engine.settings import GenerationSettings
 
@@ -47,28 +47,15 @@ class KeptConversation:
     state: object  # the runner's snapshot (app.model.batch_cache.StateSnapshot): has nbytes
 
 
-class ConversationCache:
+class ConversationCache(BoundedCache):
     """Kept conversations, least recently used first, up to `capacity_bytes` of state; a prompt whose last
     turn starts fewer than `min_tokens` tokens in is not kept (tuning.CONVERSATION_CACHE_MIN_TOKENS). Used
     from the request threads (find) and the scheduler's (keep)."""
 
     def __init__(self, capacity_bytes: int, min_tokens: int = 0):
-        self.capacity_bytes, self.min_tokens = capacity_bytes, min_tokens
-        self._kept: OrderedDict[tuple, KeptConversation] = OrderedDict()
-        self._held = 0
+        super().__init__(capacity_bytes)  # self._kept: KeptConversation by key
+        self.min_tokens = min_tokens
         self._media = Counter()  # the media keys of the kept conversations, each with how many hold it
-        self._lock = threading.Lock()
-
-    @property
-    def enabled(self) -> bool:
-        return self.capacity_bytes > 0
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
     def held_media(self) -> frozenset:
         """The keys of the media some kept conversation holds: a preparer need not decode an image of these

@@ -16,34 +16,18 @@ recently used go first past tuning.ENCODED_IMAGES_MB; all go with the model (a n
 docs/DECISIONS.md D56. No torch at import, as everywhere in app.engine.
 """
 
-import threading
-from collections import OrderedDict
-
+from app.engine.bounded_cache import BoundedCache
 from app.engine.conversations import file_identity
 from app.engine.request_media import media_paths
 
 
-class EncodedImages:
+class EncodedImages(BoundedCache):
     """Features by image key, least recently used first, up to `capacity_bytes`. Used from the request threads
     (held, take) and the scheduler's (keep)."""
 
     def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = capacity_bytes
-        self._kept: OrderedDict[str, object] = OrderedDict()
+        super().__init__(capacity_bytes)  # self._kept: features by image key
         self._by_file: dict[str, set[str]] = {}  # a file's identity -> the keys held of it
-        self._held = 0
-        self._lock = threading.Lock()
-
-    @property
-    def enabled(self) -> bool:
-        return self.capacity_bytes > 0
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
     def held(self, files: set[str]) -> frozenset:
         """The keys held of these files (their identities): a preparer need not decode those images, if they are
