@@ -1,10 +1,10 @@
-"""A wave of follow-ups' new turns through the captured continued prefills (app.model.continued_graphs: waves
-with no graph of their count cut in halves, halves of one shape sharing their graph) against the same wave
-launched from Python, packed, on a CUDA machine: each prompt's next-token logits and the states it leaves in
-its slot must agree within bf16's rounding, row for row, and each row must differ more from the row half a
-wave on than from itself: every row's new turn differs from the others' in its last tokens, so a half that ran
-another half's inputs shows. The real-shape checkpoint with random weights, or
---model:
+"""A wave of generation prompts of conversations past 2,048 tokens through the captured continued prefills
+(app.model.continued_graphs: 64 of them gather too many keys and values for one graph, so they run as halves of
+32 that share one graph) against the same wave launched from Python, packed, on a CUDA machine: each prompt's
+next-token logits and the states it leaves in its slot must agree within bf16's rounding, row for row, and each
+row must differ more from the row half a wave on than from itself: every row's generation prompt differs from
+the others' in its last tokens, so a half that ran another half's inputs shows. The real-shape checkpoint with
+random weights, or --model:
 
     python tests/continued_graphs_check.py --prompts 64,48
 """
@@ -37,22 +37,28 @@ def main() -> None:
     runner = manager.runner
     failures = []
     with runner.serving():
-        ids, kept_at, turn, columns, kept = kept_follow_up(manager, "A grey field. " * 40)
+        ids, kept_at, turn, columns, kept = kept_follow_up(manager, "A grey field. " * 200)
+        runner.restore([kept], [0], columns)  # the follow-up's state at its generation prompt, past 2,048 tokens
+        runner.prefill_continued([(ids[:, kept_at:turn], None)], [kept_at], [0], columns)
+        long = runner.snapshots([0], [turn])[0]
+        print(f"generation prompts of {ids.shape[1] - turn} tokens after {turn}")
         known = ids[0].unique().tolist()
         for count in [int(n) for n in args.prompts.split(",")]:
             slots = list(range(count))
             prompts = []
-            for row in slots:  # each row's new turn its own: its last tokens changed to others the prompt has
-                new_turn = ids[:, kept_at:turn].clone()
-                new_turn[0, -3:] = torch.tensor([known[(row + shift) % len(known)] for shift in range(3)])
-                prompts.append((new_turn, None))
+            for row in slots:  # each row's generation prompt its own: its last tokens changed to others the prompt has
+                generation_prompt = ids[:, turn:].clone()
+                generation_prompt[0, -3:] = torch.tensor([known[(row + shift) % len(known)] for shift in range(3)])
+                prompts.append((generation_prompt, None))
             results = []
             for captured in (True, False):
-                runner.restore([kept] * count, slots, columns)
+                runner.restore([long] * count, slots, columns)
                 if captured:
-                    logits = runner.prefill_continued(prompts, [kept_at] * count, slots, columns)
-                else:
-                    logits = runner.text.prefill_continued(prompts, [kept_at] * count, slots, captured=False)
+                    logits = runner.prefill_continued(prompts, [turn] * count, slots, columns)
+                else:  # the fused model's packed prefill, past the graphs
+                    embeddings = runner.text.embedded(torch.cat([p for p, _ in prompts], dim=1), None)[0]
+                    logits = runner.text.fused.prefill_continued(embeddings, [p.shape[1] for p, _ in prompts],
+                                                                 [turn] * count, slots)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 results.append((logits.float().clone(), states(runner.store, slots)))

@@ -345,14 +345,16 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
 
     monkeypatch.setattr(continued, "_ready", sharing_ready)
     slots = list(range(100, 164))
-    logits = continued.run(many, [164] * 64, [1200] * 64, slots)  # 64 new turns: four pieces of 16, one shape
-    assert pieces == [(16, (256, 2048))] * 4 and replays == [slots[:16], slots[16:32], slots[32:48], slots[48:]]
-    assert logits[:, 0].tolist() == slots  # each piece's own inputs, its logits in order
+    logits = continued.run(many[:64 * 15], [15] * 64, [3000] * 64, slots)  # 64 long conversations: two halves, one shape
+    assert pieces == [(32, (16, 4096))] * 2 and replays == [slots[:32], slots[32:]]
+    assert logits[:, 0].tolist() == slots  # each half's own inputs, its logits in order
     pieces.clear(), replays.clear()
-    logits = continued.run(many[:24 * 164], [164] * 24, [1200] * 24, slots[:24])  # 16, then 8
-    assert replays == [slots[:16], slots[16:24]] and logits[:, 0].tolist() == slots[:24]
+    logits = continued.run(many[:48 * 15], [15] * 48, [3000] * 48, slots[:48])  # 32, then 16
+    assert replays == [slots[:32], slots[32:48]] and logits[:, 0].tolist() == slots[:48]
     pieces.clear(), replays.clear()
     monkeypatch.setattr(continued, "_ready", ready)
+    # 64 new turns of 164 tokens: no count holds them but in 16s padded to 256, so they are launched whole, packed.
+    assert continued.run(many, [164] * 64, [1200] * 64, slots) is None and pieces == []
     assert continued.run(many[:2 * 164], [164] * 2, [1200, 8100], [0, 1]) is None  # the second is past the store's
     assert pieces == [] and replays == []
     store.column_capacity = 2048
@@ -434,16 +436,17 @@ def test_a_continued_bucket_with_no_memory_to_capture_is_launched_from_then_on_a
 
 
 def test_halves_of_one_shape_each_replay_their_own_inputs_through_the_graphs_static_buffers(monkeypatch):
-    """64 follow-ups' new turns run as four pieces of 16 that share one captured graph and so its static inputs
-    (ContinuedPrefillGraphs._ready puts a piece's embeddings and slots there): each piece's are put in place
-    only after the one before has replayed, so each replay runs its own prompts and their logits come out in
-    order. The graph here reads its static inputs when replayed, as a CUDA graph does."""
+    """64 generation prompts of conversations past 2,048 tokens run as two halves of 32 (64 would gather too many
+    keys and values) that share one captured graph and so its static inputs (ContinuedPrefillGraphs._ready puts
+    a piece's embeddings and slots there): the second's are put in place only after the first has replayed, so
+    each replay runs its own prompts and their logits come out in order. The graph here reads its static inputs
+    when replayed, as a CUDA graph does."""
     from types import SimpleNamespace
 
     from app.model.continued_graphs import ContinuedPrefillGraphs
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor: tensor)  # no CUDA here
-    store = SimpleNamespace(column_capacity=2048, generation=0, device=torch.device("cpu"), conv={}, recurrent={})
+    store = SimpleNamespace(column_capacity=4096, generation=0, device=torch.device("cpu"), conv={}, recurrent={})
     graphs = ContinuedPrefillGraphs(store, fused=None)
     replayed_slots = []
 
@@ -457,8 +460,8 @@ def test_halves_of_one_shape_each_replay_their_own_inputs_through_the_graphs_sta
         return graphs.captured[rows, length, columns]
 
     monkeypatch.setattr(graphs, "_capture_bucket", capture_bucket)
-    embeddings = torch.cat([torch.full((164, 2), float(row)) for row in range(64)])
-    logits = graphs.run(embeddings, [164] * 64, [1200] * 64, list(range(100, 164)))
-    assert list(graphs.captured) == [(16, 256, 2048)]
-    assert replayed_slots == [list(range(first, first + 16)) for first in (100, 116, 132, 148)]
+    embeddings = torch.cat([torch.full((15, 2), float(row)) for row in range(64)])
+    logits = graphs.run(embeddings, [15] * 64, [3000] * 64, list(range(100, 164)))
+    assert list(graphs.captured) == [(32, 16, 4096)]
+    assert replayed_slots == [list(range(100, 132)), list(range(132, 164))]
     assert logits[:, 0].tolist() == [float(row) for row in range(64)]

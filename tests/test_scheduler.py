@@ -252,15 +252,16 @@ def test_the_warm_up_reserves_more_columns_only_where_the_decode_step_reads_its_
     BatchRunner._reserve_batch(runner(store), 8)  # the warm-up's last step: the whole batch's slots taken
     assert (store.slot_capacity, store.column_capacity) == (8, 4096) and store.keys[3].shape[2] == 4096
 
-    from app.model.continued_graphs import ContinuedPrefillGraphs
+    from app.model.continued_graphs import CONTINUED_GRAPH_LENGTHS, ContinuedPrefillGraphs
+    from app.model.cuda_graphs import graph_length
 
     went_on = []
     fused_one = runner(store)
     fused_one.continues = True
-    fused_one.text.prefill_continued = lambda prompts, starts, slots, captured: went_on.append((prompts, starts, captured))
+    fused_one.prefill_continued = lambda prompts, starts, slots, columns: went_on.append((prompts, starts, columns))
     BatchRunner._reserve_batch(fused_one, 8)
-    (prompts, starts, captured), = went_on  # the packed continued prefill's kernels built: a wave no graph holds
+    (prompts, starts, columns), = went_on  # the packed continued prefill's kernels built: a wave no graph holds
     lengths = [ids.shape[1] for ids, _ in prompts]
-    assert not captured and ContinuedPrefillGraphs(store, fused=None)._bucket(lengths, starts, None) is None
-    assert len(prompts) == 8 and max(starts) + max(lengths) <= 1024  # within the least a store reserves
-
+    assert ContinuedPrefillGraphs(store, fused=None)._bucket(lengths, starts, None) is None
+    assert graph_length(CONTINUED_GRAPH_LENGTHS, lengths) is None  # nor cut in halves: no 8 prompts are that long
+    assert len(prompts) == 8 and max(starts) + max(lengths) <= 1024 <= columns  # within the least a store reserves

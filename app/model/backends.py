@@ -49,16 +49,14 @@ class FusedText:
         logits = self.prefill_graphs.run(embeddings, lengths, first_slot)
         return self.fused.prefill(embeddings, lengths, first_slot) if logits is None else logits
 
-    def prefill_continued(self, prompts: list[tuple], starts: list[int], slots: list[int],
-                          captured: bool = True) -> torch.Tensor:
+    def prefill_continued(self, prompts: list[tuple], starts: list[int], slots: list[int]) -> torch.Tensor:
         """Prompts (input ids [1, length], visual features) that go on from the `starts[i]` tokens slots[i]
-        holds; waves of few tokens replayed from captured graphs, unless not `captured` (the warm-up's wave
-        that builds the kernels of those launched from Python)."""
+        holds; waves of few tokens replayed from captured graphs."""
         features = [f for _, f in prompts if f is not None]
         embeddings = self.embedded(torch.cat([input_ids for input_ids, _ in prompts], dim=1),
                                    torch.cat(features) if features else None)[0]
         lengths = [ids.shape[1] for ids, _ in prompts]
-        logits = self.continued_graphs.run(embeddings, lengths, starts, slots) if captured else None
+        logits = self.continued_graphs.run(embeddings, lengths, starts, slots)
         return self.fused.prefill_continued(embeddings, lengths, starts, slots) if logits is None else logits
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

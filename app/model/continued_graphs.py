@@ -15,8 +15,9 @@ log = logging.getLogger(__name__)
 # and every prompt's generation prompt after its state is kept; app.engine.conversations), by their prompts'
 # count: the lengths they are padded to. Large waves for the generation prompts (a few tokens each), which
 # else would add a wave's launches from Python to every large wave, and for 8 or 16 follow-ups' new turns. A
-# wave with no bucket is cut in halves that have one (64 generation prompts over 4,096 columns: two graphs of 32)
-# before it is launched from Python.
+# wave whose count has a length for its prompts but whose columns pass the limits below is cut in halves that
+# fit them (64 generation prompts, one over 2,048 tokens: two graphs of 32), padded no further, rather than
+# launched from Python.
 CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16, 256),
                            16: (16, 256), 32: (16,), 64: (16,)}
 # The columns a captured continued prefill's attention reads of each slot: every one, however short the
@@ -63,13 +64,14 @@ class ContinuedPrefillGraphs(GraphSet):
     def run(self, embeddings: torch.Tensor, lengths: list[int], starts: list[int], slots: list[int],
             length: int | None = None) -> torch.Tensor | None:
         """FusedTextModel.prefill_continued's logits through captured graphs, a graph (captured now if need be)
-        for each piece of 2^k prompts (halved until it has a bucket), or None where a piece of one prompt has
-        no bucket or capturing failed (then no piece has run: the prompts' slots are as they were)."""
+        for each piece of 2^k prompts (halved where only its columns stand in the way), or None where a piece
+        has no bucket or capturing failed (then no piece has run: the prompts' slots are as they were)."""
         if self.given_up:
             return None
         return in_pieces(embeddings, lengths, lambda start, end: self._bucket(lengths[start:end], starts[start:end], length),
                          lambda piece, start, end, bucket: self._ready(piece, lengths[start:end], starts[start:end],
-                                                                       slots[start:end], bucket), halve=True)
+                                                                       slots[start:end], bucket),
+                         halve=lambda start, end: graph_length(CONTINUED_GRAPH_LENGTHS, lengths[start:end]) is not None)
 
     def _bucket(self, lengths: list[int], starts: list[int], length: int | None) -> tuple[int, int] | None:
         """The length a piece of prompts of `lengths` going on after `starts` is padded to and the columns its

@@ -164,13 +164,13 @@ def graph_length(lengths_by_count: dict, lengths: list[int]) -> int | None:
 
 
 def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, ready: Callable,
-              halve: bool = False) -> torch.Tensor | None:
+              halve: Callable | None = None) -> torch.Tensor | None:
     """The logits of a prefill of prompts of `lengths` (their embeddings packed back to back) run as pieces of 2^k
     prompts, a captured graph each, or None where a piece has no bucket (`bucket(start, end)`: what the
     prompts start:end are padded to, or None) or its graph cannot be made ready (`ready(their embeddings, start,
-    end, length)`: (graph, its output), its inputs in place, or None). With `halve`, a piece with no bucket is
-    cut in halves until each has one. Every graph is made ready before any is replayed: one that fails leaves
-    no piece run. Pieces of one shape (halves) share a graph: the later ones' inputs are put in place after the
+    end, length)`: (graph, its output), its inputs in place, or None). A piece with no bucket for which
+    `halve(start, end)` is true is cut in halves until each has one. Every graph is made ready before any is
+    replayed: one that fails leaves no piece run. Pieces of one shape (halves) share a graph: the later ones' inputs are put in place after the
     one before has replayed."""
     pieces = []  # (first prompt, prompts, bucket, first embedding row)
     at = 0
@@ -197,11 +197,11 @@ def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, re
     return replayed(graphs, len(lengths))
 
 
-def _with_buckets(start: int, rows: int, bucket: Callable, halve: bool):
+def _with_buckets(start: int, rows: int, bucket: Callable, halve: Callable | None):
     """(start, rows, bucket) of the piece of `rows` prompts from `start`, or of its halves (and theirs) where
-    it has no bucket and `halve`; None for a piece that has none."""
+    it has no bucket and `halve` says so; None for a piece that has none."""
     found = bucket(start, start + rows)
-    if found is not None or not halve or rows == 1:
+    if found is not None or rows == 1 or halve is None or not halve(start, start + rows):
         yield None if found is None else (start, rows, found)
         return
     yield from _with_buckets(start, rows // 2, bucket, halve)

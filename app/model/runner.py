@@ -23,6 +23,7 @@ import torch
 
 from app import tuning
 from app.model.backends import text_backend_for, vision_backend_for
+from app.model.continued_graphs import CONTINUED_GRAPH_LENGTHS
 from app.model.cuda_graphs import DecodeGraphs
 from app.model.uncaptured import EagerDecode
 from app.model.streams import MediaEncoding, NoStaging, OneStream, PixelStaging, SideStreams, StagedPixels
@@ -277,11 +278,10 @@ class BatchRunner:
         """
         self.prefill([(torch.zeros((1, 1), dtype=torch.long), None, None)], 0, tuning.RESERVED_COLUMNS)  # every layer's state
         columns = self._reserved_columns(max_rows)
-        if self.continues:  # a wave no captured continued prefill holds goes on packed: its kernels built now
-            rows = min(max_rows, 8)
-            self.store.reserve(rows, columns)
-            self.text.prefill_continued([(torch.zeros((1, 320), dtype=torch.long), None)] * rows, [1] * rows,
-                                        list(range(rows)), captured=False)
+        if self.continues:  # a wave too large for a captured continued prefill goes on packed: its kernels built now
+            rows, length = min(max_rows, 8), max(CONTINUED_GRAPH_LENGTHS[8]) + 64  # past 8 prompts' captured lengths
+            self.prefill_continued([(torch.zeros((1, length), dtype=torch.long), None)] * rows, [1] * rows,
+                                   list(range(rows)), columns)
         self.store.reserve(max_rows, columns)
         self.steps.capture_all(max_rows)
         self.text.capture(max_rows)
