@@ -170,8 +170,8 @@ def in_pieces(embeddings: torch.Tensor, lengths: list[int], bucket: Callable, re
     prompts start:end are padded to, or None) or its graph cannot be made ready (`ready(their embeddings, start,
     end, length)`: (graph, its output), its inputs in place, or None). A piece with no bucket for which
     `halve(start, end)` is true is cut in halves until each has one. Every graph is made ready before any is
-    replayed: one that fails leaves no piece run. Pieces of one shape (halves) share a graph: the later ones' inputs are put in place after the
-    one before has replayed."""
+    replayed: one that fails leaves no piece run. Pieces of one shape (halves) share a graph: the later ones'
+    inputs are put in place after the one before has replayed."""
     pieces = []  # (first prompt, prompts, bucket, first embedding row)
     at = 0
     for start, rows in power_of_two_pieces(len(lengths)):
