@@ -1,12 +1,13 @@
 """Preparing one request's inputs on one CPU core (`app/engine/inputs.py`), as a preparing worker does it:
 the benchmark's 1344x1344 PNG decoded, sliced (10 slices), cut into patches and cast to bf16, the prompt
 rendered and tokenized. The processor as transformers ships it (given a PIL image) against the one the
-app loads (patches cut by a reshape, slices kept in uint8, given the decoded tensor), and the app's processor through one
-worker process (app.engine.preparers, as on a GPU box: the hop and the pixels' way back included); the
-decoding of the PNG alone is timed apart (the app's decoders, OpenCV on a thread and libspng in a preparing
-worker process, and PIL's), and the same pixels as a JPEG. `MINICPMV_PREPARER_HELD_MEMORY_MB=0` runs the
-worker as before D54. Only the processor's configuration matters here, so
-the tiny checkpoint (same image and video processors as the real one) stands in:
+app loads (patches cut by a reshape, slices kept in uint8, given the decoded tensor), and the app's processor
+through one worker process (app.engine.preparers, as on a GPU box: the hop and the pixels' way back included);
+the decoding of the PNG alone is timed apart (the app's decoders: OpenCV on a thread, and in a preparing worker
+process libspng with the rows inflated by libdeflate (D58); libspng inflating them itself, as before; PIL), and
+the same pixels as a JPEG. `MINICPMV_PREPARER_HELD_MEMORY_MB=0` runs the worker as before D54. Only the
+processor's configuration matters here, so the tiny checkpoint (same image and video processors as the real
+one) stands in:
 
     python benchmarks/prepare.py --runs 9 --json prepare.json
 """
@@ -47,6 +48,7 @@ def main() -> None:
     settings = GenerationSettings(max_new_tokens=128)
     row = {"decode_png_ms": round(timed(lambda: None, lambda: load_image_pixels(image), args.runs)[0], 1),
            "decode_png_libspng_ms": round(timed(lambda: None, lambda: load_image_pixels(image, True), args.runs)[0], 1),
+           "decode_png_libspng_alone_ms": round(timed(lambda: None, lambda: libspng_alone(image), args.runs)[0], 1),
            "decode_png_pil_ms": round(timed(lambda: None, lambda: load_image(image), args.runs)[0], 1)}
     shipped = AutoProcessor.from_pretrained(folder)
     prompt = shipped.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -69,6 +71,14 @@ def main() -> None:
     worker.close()
     print(json.dumps(row), flush=True)
     write_json(args.json, row)
+
+
+def libspng_alone(path: str):
+    """libspng inflating the rows itself, as before D58."""
+    import pyspng
+
+    with open(path, "rb") as file:
+        return pyspng.load(file.read(), "RGB")
 
 
 if __name__ == "__main__":

@@ -153,12 +153,15 @@ def _rgb_png_pixels(path: str, may_hold_gil: bool):
 
 
 def _png_by_libspng(path: str):
+    """libspng's pixels, its rows inflated by libdeflate where it can (app.media.png_rows)."""
     import pyspng
+
+    from app.media.png_rows import with_rows_stored
 
     with open(path, "rb") as file:
         data = file.read()
     try:
-        return pyspng.load(data, "RGB")
+        return pyspng.load(with_rows_stored(data) or data, "RGB")
     except RuntimeError:
         return None
 
