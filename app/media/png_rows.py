@@ -38,8 +38,8 @@ def with_rows_stored(data: bytes) -> bytes | None:
     except deflate.DeflateError:
         return None
     del compressed
-    if len(rows) != size:  # fewer rows than the header says (libdeflate refuses more)
-        return None
+    if len(rows) != size:  # fewer rows than the header says (libdeflate refuses more), or a size past 2^32,
+        return None        # which the `deflate` package takes modulo 2^32
     return _stored(memoryview(data)[:first], rows, memoryview(data)[end:])
 
 
