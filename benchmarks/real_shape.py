@@ -6,8 +6,10 @@ import json
 import os
 import tempfile
 
+from app.model.checkpoint.random_checkpoint import RANDOM_CHECKPOINT_VERSION
+
 REFERENCE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minicpm-v-4.6.config.json")
-DEFAULT_FOLDER = os.path.join(tempfile.gettempdir(), "minicpmv4_6-real-shape-random")
+DEFAULT_FOLDER = os.path.join(tempfile.gettempdir(), f"minicpmv4_6-real-shape-random-{RANDOM_CHECKPOINT_VERSION}")
 
 
 def ensure_real_shape_checkpoint(folder: str = DEFAULT_FOLDER) -> str:
