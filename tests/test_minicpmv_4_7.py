@@ -12,6 +12,11 @@ from tests.conftest import make_image, make_video
 from tests.test_batching import all_at_once, greedy, reply, user
 
 
+# Long enough that each conversation with media gets another reply with plain token-count positions
+# (test_positions_matter_here): this random model's first 16 tokens for one image, or 32 for the video, did not.
+REPLY_TOKENS = 64
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny-minicpmv4_7"))
@@ -49,12 +54,13 @@ def test_replies_match_transformers_generate(manager_4_7, folder, conversations)
     from transformers import MiniCPMV4_7ForConditionalGeneration
 
     reference = MiniCPMV4_7ForConditionalGeneration.from_pretrained(folder)  # plain sdpa vision attention
-    settings = greedy(16)
+    settings = greedy(REPLY_TOKENS)
     for key, messages in conversations.items():
         inputs = dict(manager_4_7.prepare(messages, settings).tensors)
         if "pixel_normalization" in inputs:  # the app's processor leaves images in uint8 for the engine
             inputs["pixel_values"] = normalized_pixels(inputs["pixel_values"], inputs.pop("pixel_normalization"))
-        generated = reference.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        generated = reference.generate(**inputs, max_new_tokens=REPLY_TOKENS, min_new_tokens=REPLY_TOKENS,
+                                     do_sample=False)
         expected = TextAssembler(manager_4_7.processor.tokenizer)
         for token in generated[0, inputs["input_ids"].shape[1]:].tolist():
             expected.add(token)
@@ -63,8 +69,8 @@ def test_replies_match_transformers_generate(manager_4_7, folder, conversations)
 
 def test_positions_matter_here(manager_4_7, conversations, monkeypatch):
     """Plain token-count positions give other replies to every conversation with media, so the match above is a
-    real check (64 tokens: this random model's first 16 or 32 can agree for one image)."""
-    settings = greedy(64)
+    real check."""
+    settings = greedy(REPLY_TOKENS)
     with_media = [key for key in conversations if key != "text"]
     right = {key: reply(manager_4_7, conversations[key], settings) for key in with_media}
     monkeypatch.setattr("app.engine.core.canvas_positions", lambda model, tensors, mode: None)

@@ -102,9 +102,24 @@ def test_however_the_stream_is_cut_into_chunks(idat_bytes):
     sound_and_the_same(png(50, 40, idat_bytes=idat_bytes))
 
 
-def test_rows_past_one_chunk_written_and_a_stream_of_whole_stored_blocks():
-    sound_and_the_same(png(1700, 1700, idat_bytes=2**16, level=1))  # 8.7 MB of rows: two IDAT chunks written
+def test_many_stored_blocks_and_a_stream_of_whole_ones():
+    sound_and_the_same(png(1700, 1700, idat_bytes=2**16, level=1))  # 8.7 MB of rows: 133 stored blocks
     sound_and_the_same(png(21844, 3, colour_type=0))  # 3 x 21,845 bytes: one full stored block, no partial one
+
+
+def test_rows_past_the_limit_are_left_to_libspng(tmp_path, monkeypatch):
+    """Their PNG as it is: the PNG written would hold the rows whole, where a compressible one is a fraction."""
+    from app.media import png_rows
+    from app.media.images import load_image_pixels
+
+    data = png(40, 30)  # 30 x 121 bytes of rows
+    monkeypatch.setattr(png_rows, "MAX_ROWS_BYTES", 30 * 121 - 1)
+    assert with_rows_stored(data) is None
+    path = tmp_path / "large.png"
+    path.write_bytes(data)
+    assert np.array_equal(load_image_pixels(str(path), True).permute(1, 2, 0).numpy(), pyspng.load(data, "RGB"))
+    monkeypatch.setattr(png_rows, "MAX_ROWS_BYTES", 30 * 121)
+    sound_and_the_same(data)
 
 
 def test_the_benchmarks_kind_of_png_saved_by_pil(tmp_path):

@@ -153,15 +153,16 @@ def _rgb_png_pixels(path: str, may_hold_gil: bool):
 
 
 def _png_by_libspng(path: str):
-    """libspng's pixels, its rows inflated by libdeflate where it can (app.media.png_rows)."""
+    """libspng's pixels, the rows inflated by libdeflate where it can (app.media.png_rows, D58)."""
     import pyspng
 
     from app.media.png_rows import with_rows_stored
 
     with open(path, "rb") as file:
         data = file.read()
+    data = with_rows_stored(data) or data  # the file's bytes let go: libspng holds a copy of what it is given
     try:
-        return pyspng.load(with_rows_stored(data) or data, "RGB")
+        return pyspng.load(data, "RGB")
     except RuntimeError:
         return None
 

@@ -54,9 +54,7 @@ _TRAINING_TEXT = [
     "Compare the two images and tell me what changed between them.",
     "There are three people walking along a beach at sunset, and the sky is orange.",
     "The chart has numbers, labels and a title; the text reads: total sales by month.",
-    # The chat template's role names and blank lines, a token each as in the real tokenizer: without them the
-    # generation prompt (the assistant's turn opened, an empty think block) was 15 tokens where the real one is 7,
-    # and every prefill of the benchmarks' real-shape checkpoint, a follow-up's most of all, had 8-12 too many.
+    # The chat template's role names and blank lines, a token each as in the real tokenizer (docs/DECISIONS.md D59).
     "system\nuser\nassistant\n\n",
 ]
 
