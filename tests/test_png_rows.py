@@ -13,12 +13,9 @@ import pyspng
 from PIL import Image
 
 from app.media.png_rows import with_rows_stored
+from tests.test_images import chunk
 
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
-
-
-def chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
 def filtered(rows: np.ndarray, bpp: int, filters: list[int]) -> bytes:
