@@ -40,13 +40,14 @@ def main() -> None:
         close(ours[1], reference[1], "add_rms_norm residual")
     checked.append("add_rms_norm")
 
-    channels, width = 300, 4
+    channels = 300
     projection = random(n, channels + 40)  # wider than the convolved channels, as the merged projection is
-    state, conv_weight = random(n, channels, width), random(channels, width)
-    reference_state = state.clone()
-    close(text_kernels.conv_step(projection, channels, state, conv_weight),
-          text_ops.conv_step(projection, channels, reference_state, conv_weight), "conv_step")
-    close(state, reference_state, "conv_step state")
+    for width in (3, 4):  # the window's tile is a power of two wide
+        state, conv_weight = random(n, channels, width), random(channels, width)
+        reference_state = state.clone()
+        close(text_kernels.conv_step(projection, channels, state, conv_weight),
+              text_ops.conv_step(projection, channels, reference_state, conv_weight), f"conv_step {width}")
+        close(state, reference_state, f"conv_step state {width}")
     checked.append("conv_step")
 
     # Prompts packed back to back, one shorter than the window.
@@ -62,13 +63,16 @@ def main() -> None:
     projection = random(n, 20)
     a_log, dt_bias = random(value_heads), random(value_heads)
     projection[0, 12] = 30.0  # a decay input past softplus' threshold
+    columns = torch.tensor([5, 0, 1], device=DEVICE)  # the second row a captured step's padding
     for layout in {text_kernels.delta_step_layout(1), text_kernels.delta_step_layout(256)}:  # few rows, many
         state = random(n, value_heads, k_dim, v_dim)
-        reference_state = state.clone()
-        close(text_kernels.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, state, key_heads, layout),
-              text_ops.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, reference_state, key_heads),
+        given_state, reference_state = state.clone(), state.clone()
+        close(text_kernels.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, state, key_heads, columns, layout),
+              text_ops.gated_delta_step(qkv, projection, 4, 12, a_log, dt_bias, reference_state, key_heads, columns),
               f"gated_delta_step {layout}")
         close(state, reference_state, f"gated_delta_step state {layout}")
+        assert torch.equal(state[1], given_state[1]), "gated_delta_step wrote a padding row's state"
+        assert not torch.equal(state[0], given_state[0]), "gated_delta_step left a row's state as it was"
     checked.append("gated_delta_step")
 
     attended, projection, norm_weight = random(n, 4 * 24), random(n, 130), random(24)

@@ -46,19 +46,21 @@ def main() -> None:
         a_log = torch.randn(HEADS, device="cuda", generator=generator)
         dt_bias = torch.randn(HEADS, device="cuda", generator=generator)
         start_state = torch.randn(n, HEADS, K, V, device="cuda", generator=generator) * 0.1
+        columns = torch.ones(n, dtype=torch.long, device="cuda")  # no padding row
         state_bytes = start_state.numel() * 4 * 2  # read and written once
         copy_state = start_state.clone()
         copy_us = timed(lambda: copy_state.mul_(0.999), 50) * 1000
         reference = None
         for layout in layouts:
             state = start_state.clone()
-            out = text_kernels.gated_delta_step(qkv, projection, 0, HEADS, a_log, dt_bias, state, HEADS, layout)
+            out = text_kernels.gated_delta_step(qkv, projection, 0, HEADS, a_log, dt_bias, state, HEADS, columns,
+                                                layout)
             if reference is None:
                 reference = (out, state.clone())
             difference = max((out.float() - reference[0].float()).abs().max().item(),
                              (state - reference[1]).abs().max().item())
             us = timed(lambda: text_kernels.gated_delta_step(qkv, projection, 0, HEADS, a_log, dt_bias, state, HEADS,
-                                                             layout), 50) * 1000
+                                                             columns, layout), 50) * 1000
             row = {"batch": n, "block_v": layout[0], "warps": layout[1],
                    "app": layout == text_kernels.delta_step_layout(n), "us_a_layer": round(us, 1),
                    "ms_a_step": round(us * DELTANET_LAYERS / 1000, 3), "tb_per_s": round(state_bytes / us / 1e6, 2),

@@ -172,8 +172,8 @@ class _DeltaNetLayer:
         n = hidden.shape[0]
         projection = text_ops.linear(hidden, self.in_weight)
         qkv = text_ops.conv_step(projection, self.channels, store.conv[self.index][:n], self.conv_weight)
-        attended = text_ops.gated_delta_step(qkv, projection, self.beta_column, self.decay_column, self.a_log,
-                                             self.dt_bias, store.recurrent[self.index][:n], self.key_heads)
+        attended = text_ops.gated_delta_step(qkv, projection, self.beta_column, self.decay_column, self.a_log, self.dt_bias,
+                                             store.recurrent[self.index][:n], self.key_heads, rows.columns)
         return self._out(attended, projection)
 
     def prefill(self, hidden, store, rows: Rows):

@@ -48,19 +48,22 @@ def add_rms_norm(x, residual, weight, eps):
 
 @triton.jit
 def _conv_step_kernel(x_ptr, x_row_stride, state_ptr, weight_ptr, out_ptr, channels,
-                      WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                      WIDTH: tl.constexpr, BLOCK_WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    # Each channel's window (its state's last WIDTH - 1 inputs, then x) is read and written as one
+    # [BLOCK, WIDTH] tile of the state: tap by tap, each load and store took one element in WIDTH
+    # (docs/DECISIONS.md D60).
     row = tl.program_id(0).to(tl.int64)
     channel = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tap = tl.arange(0, BLOCK_WIDTH)
     mask = channel < channels
+    taps = mask[:, None] & (tap[None, :] < WIDTH)
     x = tl.load(x_ptr + row * x_row_stride + channel, mask=mask, other=0.0)
-    state = state_ptr + (row * channels + channel) * WIDTH
-    weight = weight_ptr + channel * WIDTH
-    total = x.to(tl.float32) * tl.load(weight + WIDTH - 1, mask=mask, other=0.0).to(tl.float32)
-    for tap in tl.static_range(1, WIDTH):  # the window is the state's last WIDTH - 1 inputs, then x
-        kept = tl.load(state + tap, mask=mask, other=0.0)
-        tl.store(state + tap - 1, kept, mask=mask)
-        total += kept.to(tl.float32) * tl.load(weight + tap - 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(state + WIDTH - 1, x.to(state_ptr.dtype.element_ty), mask=mask)
+    state = state_ptr + (row * channels + channel[:, None]) * WIDTH + tap[None, :]
+    kept = tl.load(state + 1, mask=mask[:, None] & (tap[None, :] < WIDTH - 1), other=0.0)
+    window = tl.where(tap[None, :] == WIDTH - 1, x[:, None].to(kept.dtype), kept)
+    weight = tl.load(weight_ptr + channel[:, None] * WIDTH + tap[None, :], mask=taps, other=0.0)
+    total = tl.sum(window.to(tl.float32) * weight.to(tl.float32), axis=1)
+    tl.store(state, window, mask=taps)
     tl.store(out_ptr + row * channels + channel, (total * tl.sigmoid(total)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,7 +72,8 @@ def conv_step(projection, channels, state, weight):
     out = torch.empty((n, channels), dtype=projection.dtype, device=projection.device)
     block = 256
     _conv_step_kernel[(n, triton.cdiv(channels, block))](projection, projection.stride(0), state, weight, out,
-                                                         channels, WIDTH=state.shape[-1], BLOCK=block)
+                                                         channels, WIDTH=state.shape[-1],
+                                                         BLOCK_WIDTH=triton.next_power_of_2(state.shape[-1]), BLOCK=block)
     return out
 
 
@@ -105,15 +109,17 @@ def packed_conv(projection, channels, weight, positions):
 
 @triton.jit
 def _gated_delta_step_kernel(qkv_ptr, projection_ptr, projection_row_stride, beta_column, decay_column, a_log_ptr,
-                             dt_bias_ptr, state_ptr, out_ptr, scale, KEY_HEADS: tl.constexpr,
+                             dt_bias_ptr, state_ptr, columns_ptr, out_ptr, scale, KEY_HEADS: tl.constexpr,
                              VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                              BV: tl.constexpr):
     # One program per (sequence and value head, block of BV value columns): it owns that part of the state.
     # Neighbouring programs take neighbouring blocks of one state row: at batch 200 this order ran 2.8x
     # faster than blocks of one head far apart in the grid (the state is read and written once a step).
+    # A row at column 0 is a captured step's padding: it reads and writes no state (docs/DECISIONS.md D60).
     program = tl.program_id(0).to(tl.int64)
     sequence_head = program // tl.cdiv(V, BV)
     row = sequence_head // VALUE_HEADS
+    live = tl.load(columns_ptr + row) > 0
     value_head = sequence_head % VALUE_HEADS
     key_head = value_head // (VALUE_HEADS // KEY_HEADS)
     k_index = tl.arange(0, BK)
@@ -133,7 +139,7 @@ def _gated_delta_step_kernel(qkv_ptr, projection_ptr, projection_row_stride, bet
     softplus = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))  # PyTorch's softplus threshold
     decay = -tl.exp(tl.load(a_log_ptr + value_head).to(tl.float32)) * softplus
     state = state_ptr + sequence_head * K * V + k_index[:, None] * V + v_index[None, :]
-    both = k_mask[:, None] & v_mask[None, :]
+    both = k_mask[:, None] & v_mask[None, :] & live
     held = tl.load(state, mask=both, other=0.0) * tl.exp(decay)
     delta = beta * (value - tl.sum(held * key[:, None], axis=0))
     held += key[:, None] * delta[None, :]
@@ -149,14 +155,16 @@ def delta_step_layout(rows: int) -> tuple[int, int]:
     return (8, 1) if rows < 32 else (64, 4)
 
 
-def gated_delta_step(qkv, projection, beta_column, decay_column, a_log, dt_bias, state, key_heads, layout=None):
+def gated_delta_step(qkv, projection, beta_column, decay_column, a_log, dt_bias, state, key_heads, columns,
+                     layout=None):
     """`layout`: (value columns a program, warps), delta_step_layout's by default."""
     n, value_heads, k_dim, v_dim = state.shape
     out = torch.empty((n, value_heads * v_dim), dtype=qkv.dtype, device=qkv.device)
     block_v, warps = layout or delta_step_layout(n)
     block_v = min(block_v, triton.next_power_of_2(v_dim))
     _gated_delta_step_kernel[(n * value_heads * triton.cdiv(v_dim, block_v),)](
-        qkv, projection, projection.stride(0), beta_column, decay_column, a_log, dt_bias, state, out, k_dim ** -0.5,
+        qkv, projection, projection.stride(0), beta_column, decay_column, a_log, dt_bias, state, columns, out,
+        k_dim ** -0.5,
         KEY_HEADS=key_heads, VALUE_HEADS=value_heads, K=k_dim, V=v_dim, BK=triton.next_power_of_2(k_dim), BV=block_v,
         num_warps=warps)
     return out

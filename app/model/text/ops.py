@@ -146,14 +146,17 @@ def delta_gates(projection: torch.Tensor, beta_column: int, decay_column: int, v
 
 
 def gated_delta_step(qkv: torch.Tensor, projection: torch.Tensor, beta_column: int, decay_column: int,
-                     a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, key_heads: int) -> torch.Tensor:
+                     a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, key_heads: int,
+                     columns: torch.Tensor) -> torch.Tensor:
     """One token of the gated delta rule. `qkv` [n, 2 * key_heads * K + value_heads * V] (queries, keys,
     values); the betas' and decays' raw inputs are `projection` columns from beta_column and
-    decay_column, one per value head. `state` [n, value_heads, K, V] fp32 is updated in place.
-    Returns the output [n, value_heads * V]."""
+    decay_column, one per value head. `state` [n, value_heads, K, V] fp32 is updated in place, except
+    for rows whose token's column (`columns` [n]) is 0: a captured step's padding (app.model.cuda_graphs),
+    which reads and writes no state (docs/DECISIONS.md D60). Returns the output [n, value_heads * V]."""
     kernels = _kernels_for(qkv)
     if kernels is not None:
-        return kernels.gated_delta_step(qkv, projection, beta_column, decay_column, a_log, dt_bias, state, key_heads)
+        return kernels.gated_delta_step(qkv, projection, beta_column, decay_column, a_log, dt_bias, state, key_heads,
+                                        columns)
     n, value_heads, k_dim, v_dim = state.shape
     query, key, value = qkv.split([key_heads * k_dim, key_heads * k_dim, value_heads * v_dim], dim=-1)
     query, key = (t.reshape(n, key_heads, k_dim).repeat_interleave(value_heads // key_heads, dim=1).float()
@@ -162,11 +165,12 @@ def gated_delta_step(qkv: torch.Tensor, projection: torch.Tensor, beta_column: i
     key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
     beta, decay = delta_gates(projection, beta_column, decay_column, value_heads, a_log, dt_bias)
     beta = beta.float()
-    updated = state * decay.exp()[..., None, None]
+    live = (columns > 0)[:, None, None, None]
+    updated = torch.where(live, state, 0.0) * decay.exp()[..., None, None]
     remembered = (updated * key[..., None]).sum(dim=-2)
     delta = (value.reshape(n, value_heads, v_dim).float() - remembered) * beta[..., None]
     updated = updated + key[..., None] * delta[..., None, :]
-    state.copy_(updated)
+    state.copy_(torch.where(live, updated, state))
     return (updated * query[..., None]).sum(dim=-2).to(qkv.dtype).reshape(n, -1)
 
 
