@@ -2,7 +2,7 @@
 
 Each request: exactly --new-tokens new tokens, greedy, after what --workload says (benchmarks/workloads.py):
   image-1344  one 1344x1344 image (640 visual tokens) and a short question: the default, and every table of
-              RESULTS.md unless it says otherwise (--image-format: a 5.4 MB noise PNG, or the same as a JPEG),
+              RESULTS.md unless it says otherwise (--image-format: a 4.6 MB noise PNG, or the same as a JPEG),
   image-448   one 448x448 JPEG photo (64 visual tokens) and the same question,
   text        a text-only chat turn: a short prompt,
   follow-up   a follow-up in a conversation that holds a 1344x1344 image (a JPEG unless --image-format says
@@ -287,7 +287,7 @@ def main() -> None:
                              "(engine mode only: run one after the other on the same engine, which keeps its conversations and grown "
                              "slot store from one to the next; --json then holds a report for each)")
     parser.add_argument("--image-format", choices=["png", "jpeg"],
-                        help="image-1344 and follow-up: the 1344x1344 image as a noise PNG (5.4 MB; image-1344's default, "
+                        help="image-1344 and follow-up: the 1344x1344 image as a noise PNG (4.6 MB; image-1344's default, "
                              "as in RESULTS.md) or the same as a JPEG (1.3 MB; follow-up's default)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--prepare-processes", type=int, default=-1, help="preparing worker processes (python app.py --prepare-processes)")

@@ -1,4 +1,4 @@
-"""A lone request's time to first token with a 1344x1344 JPEG photo and with RESULTS.md's 5.4 MB noise PNG,
+"""A lone request's time to first token with a 1344x1344 JPEG photo and with RESULTS.md's noise PNG (4.6 MB),
 the engine making JPEGs' pixels on the GPU (MINICPMV_JPEG_ON_DEVICE=1: nvJPEG, then the processor's resize
 and slices, app/model/jpegs.py) and not (0: the preparers decode every image), each engine in a process of
 its own as `python app.py` runs it; where each request's time went; and how far the GPU path's pixels are

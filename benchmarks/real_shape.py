@@ -47,7 +47,7 @@ QUESTION = "Describe this image in detail."
 
 def benchmark_request(image_format: str = "png") -> tuple[str, list[dict]]:
     """(image path, messages): a 1344x1344 noise image written once per call, and the question about it.
-    As a PNG (5.4 MB: the slow case to decode, what every table in RESULTS.md used unless it says
+    As a PNG (4.6 MB, 5.4 MB of pixels: the slow case to decode, what every table in RESULTS.md used unless it says
     otherwise) or as a JPEG of quality 90 (1.3 MB), as photos mostly come."""
     from PIL import Image
 
