@@ -234,8 +234,9 @@ def replayed(ready: list, prompts: int) -> torch.Tensor:
 class DecodeGraphs(GraphSet):
     """Captured decode steps, one per batch-size bucket, replayed with the batch padded to its bucket.
 
-    Padding rows decode a dummy token in free slots (their state is overwritten when a request takes
-    the slot). Growing the store recaptures.
+    Padding rows decode a dummy token at column 0 of free slots (what they write there is overwritten when a
+    request takes the slot; the fused text model's delta rule leaves their DeltaNet states alone: docs/DECISIONS.md
+    D60). Growing the store recaptures.
     """
 
     captures = True
@@ -273,8 +274,8 @@ class DecodeGraphs(GraphSet):
         device = self.store.device
         static_tokens = torch.zeros(bucket, dtype=torch.long, device=device)
         static_positions = torch.zeros(bucket, dtype=torch.long, device=device)
-        # The warm-up runs write column 0 and the DeltaNet states of the bucket's slots, some of which
-        # hold running requests: saved and restored.
+        # The warm-up runs write column 0 and the DeltaNet states (the convolution's; the recurrent ones too through
+        # transformers' layers) of the bucket's slots, some of which hold running requests: saved and restored.
         saved = self._save_column_zero(bucket)
         graph, static_logits = self._capture(lambda: self.step(static_tokens, static_positions),
                                              f"the decode step for batch {bucket}")

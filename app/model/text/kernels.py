@@ -59,11 +59,11 @@ def _conv_step_kernel(x_ptr, x_row_stride, state_ptr, weight_ptr, out_ptr, chann
     taps = mask[:, None] & (tap[None, :] < WIDTH)
     x = tl.load(x_ptr + row * x_row_stride + channel, mask=mask, other=0.0)
     state = state_ptr + (row * channels + channel[:, None]) * WIDTH + tap[None, :]
-    kept = tl.load(state + 1, mask=mask[:, None] & (tap[None, :] < WIDTH - 1), other=0.0)
-    window = tl.where(tap[None, :] == WIDTH - 1, x[:, None].to(kept.dtype), kept)
+    kept = tl.load(state + 1, mask=mask[:, None] & (tap[None, :] < WIDTH - 1), other=0.0).to(tl.float32)
+    window = tl.where(tap[None, :] == WIDTH - 1, x[:, None].to(tl.float32), kept)
     weight = tl.load(weight_ptr + channel[:, None] * WIDTH + tap[None, :], mask=taps, other=0.0)
-    total = tl.sum(window.to(tl.float32) * weight.to(tl.float32), axis=1)
-    tl.store(state, window, mask=taps)
+    total = tl.sum(window * weight.to(tl.float32), axis=1)
+    tl.store(state, window.to(state_ptr.dtype.element_ty), mask=taps)
     tl.store(out_ptr + row * channels + channel, (total * tl.sigmoid(total)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
