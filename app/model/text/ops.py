@@ -165,12 +165,12 @@ def gated_delta_step(qkv: torch.Tensor, projection: torch.Tensor, beta_column: i
     key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
     beta, decay = delta_gates(projection, beta_column, decay_column, value_heads, a_log, dt_bias)
     beta = beta.float()
-    live = (columns > 0)[:, None, None, None]
-    updated = torch.where(live, state, 0.0) * decay.exp()[..., None, None]
+    live = columns > 0
+    updated = state * (decay.exp() * live[:, None])[..., None, None]  # a padding row's from a zero state
     remembered = (updated * key[..., None]).sum(dim=-2)
     delta = (value.reshape(n, value_heads, v_dim).float() - remembered) * beta[..., None]
     updated = updated + key[..., None] * delta[..., None, :]
-    state.copy_(torch.where(live, updated, state))
+    torch.where(live[:, None, None, None], updated, state, out=state)
     return (updated * query[..., None]).sum(dim=-2).to(qkv.dtype).reshape(n, -1)
 
 
