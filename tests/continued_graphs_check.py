@@ -7,6 +7,7 @@ the others' in its last tokens, so a half that ran another half's inputs shows. 
 random weights, or --model:
 
     python tests/continued_graphs_check.py --prompts 64,48
+    python tests/continued_graphs_check.py --prompts 16,5,1 --turn-tokens 150
 """
 
 import os
@@ -30,6 +31,8 @@ def main() -> None:
 
     parser = benchmark_parser(__doc__)
     parser.add_argument("--prompts", default="64,48", help="waves' sizes, comma-separated")
+    parser.add_argument("--turn-tokens", default="0", help="tokens of a new turn before each generation prompt, "
+                        "comma-separated (150: a follow-up's, run as graphs of 256 places)")
     args = parser.parse_args()
     manager = ModelManager(AppConfig(model=chosen_model(args), engine_process=False))
     manager.load()
@@ -43,11 +46,12 @@ def main() -> None:
         long = runner.snapshots([0], [turn])[0]
         print(f"generation prompts of {ids.shape[1] - turn} tokens after {turn}")
         known = ids[0].unique().tolist()
-        for count in [int(n) for n in args.prompts.split(",")]:
+        waves = [(int(n), int(extra)) for extra in args.turn_tokens.split(",") for n in args.prompts.split(",")]
+        for count, extra in waves:
             slots = list(range(count))
             prompts = []
             for row in slots:  # each row's generation prompt its own: its last tokens changed to others the prompt has
-                generation_prompt = ids[:, turn:].clone()
+                generation_prompt = torch.cat([ids[:, 1:1 + extra], ids[:, turn:]], dim=1)
                 generation_prompt[0, -3:] = torch.tensor([known[(row + shift) % len(known)] for shift in range(3)])
                 prompts.append((generation_prompt, None))
             results = []
@@ -72,14 +76,14 @@ def main() -> None:
             # What another row's inputs would have given: each row against the packed result of the row half a wave on.
             other = packed.roll(count // 2, dims=0) if count > 1 else packed
             swapped = (graphs - other).abs().amax(-1).min().item() / scale
-            print(f"{count} prompts: logits' largest difference {worst:.4f} of their largest value (row "
+            print(f"{count} prompts of {prompts[0][0].shape[1]} tokens: logits' largest difference {worst:.4f} of their largest value (row "
                   f"{rows_apart.index(max(rows_apart))}), states' {state_worst:.4f}; the same next token in "
                   f"{same_choice:.0%} of rows; against the rows half a wave on, at least {swapped:.4f}")
             if worst > 0.05 or state_worst > 0.05 or (count > 1 and swapped <= 2 * worst):
-                failures.append(count)
+                failures.append((count, extra))
     runner.release()
     if failures:
-        sys.exit(f"Captured continued prefills differ from the packed ones for waves of {failures}")
+        sys.exit(f"Captured continued prefills differ from the packed ones for waves (prompts, turn tokens) of {failures}")
     print("The captured continued prefills agree with the packed ones.")
 
 

@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.model.text import kernels as text_kernels
 from app.model.text import ops as text_ops
+from app.model.text import prefill_attention, prefill_kernels
+from app.model.text.rows import ContinuedRows
 from app.model.vision import kernels as vision_kernels
 from app.model.vision import ops as vision_ops  # noqa: E402
 
@@ -124,6 +126,20 @@ def main() -> None:
         close(text_kernels.attend(query, keys, values, positions, 0.125, projection, layout), reference,
               f"attend {layout}", atol=1e-5 if DEVICE == "cpu" else 1e-2)
     checked.append("attend")
+
+    # A continued prefill's attention: prompts padded at their end to 40 places, going on after 0, 20 and 250 of
+    # their slots' columns, one with 3 new tokens (whole blocks of it padding, which the kernel leaves at zero).
+    length, width = 40, 4
+    slots, starts, lengths = (torch.tensor(v, device=DEVICE) for v in ([4, 0, 2], [0, 20, 250], [40, 3, 17]))
+    query = random(3 * length, heads, head_dim)
+    rows = ContinuedRows.padded(lengths, starts, slots, length, width, capacity)
+    reference = prefill_attention.padded(query, keys, values, rows, heads, kv_heads, head_dim, 0.125)
+    for layout in (None, (16, 16, 4, 1), (32, 64, 4, 2)):  # one block for a prompt's rows; several; columns' last
+        ours = prefill_kernels.continued_attention(query, keys, values, slots, starts, lengths, 0.125, layout)
+        close(ours[rows.real], reference[rows.real], f"continued_attention {layout}",
+              atol=1e-5 if DEVICE == "cpu" else 1e-2)
+        assert torch.isfinite(ours).all(), "continued_attention left a padding row unwritten"
+    checked.append("continued_attention")
 
     # The vision tower's: a width off the block size; windows of four tokens, a head size off the block.
     x, residual, weight, bias = random(n, 40), random(n, 40), random(40), random(40)

@@ -24,11 +24,11 @@ channels apart) go through transformers' layers.
 import logging
 
 import torch
-import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 from app.model.text import ops as text_ops
-from app.model.text.rows import ContinuedRows, PackedAttention, Rows
+from app.model.text import prefill_attention
+from app.model.text.rows import ContinuedRows, Rows
 
 log = logging.getLogger(__name__)
 
@@ -258,59 +258,16 @@ class _AttentionLayer:
     def prefill_continued(self, hidden, store, rows: ContinuedRows):
         """prefill for prompts that go on from their slots: each new token attends over its slot's columns
         up to its own, the kept ones first."""
-        return self._prefill(hidden, rows, store.keys[self.index], store.values[self.index])
+        return self._prefill(hidden, rows, store.keys[self.index], store.values[self.index], continued=True)
 
-    def _prefill(self, hidden, rows, keys, values):
+    def _prefill(self, hidden, rows, keys, values, continued=False):
         projection, query = self._inputs(hidden, rows, keys, values)
-        attended = self._attend_padded(query, keys, values, rows) if rows.sees is not None \
-            else self._attend_packed(query, keys, values, rows.attention)
+        shape = (self.heads, self.kv_heads, self.head_dim, self.scaling)
+        if rows.sees is None:
+            attended = prefill_attention.packed(query, keys, values, rows.attention, *shape)
+        else:
+            attended = (prefill_attention.continued if continued else prefill_attention.padded)(query, keys, values, rows, *shape)
         return text_ops.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
-
-    def _attend_packed(self, query, keys, values, attention: PackedAttention):
-        """Each prompt's attention over the keys and values of its slot up to each of its tokens (its tokens
-        packed back to back in `query`, after what its slot held before): a group of prompts of like
-        lengths in one padded call (app.model.text.rows.PackedAttention), a prompt alone by itself."""
-        group = self.heads // self.kv_heads
-        attended = query.new_empty((query.shape[0], self.heads * self.head_dim))
-        for batch in attention.groups:
-            prompts, length, columns = batch.slots.shape[0], batch.length, batch.columns
-            own_keys, own_values = (t[:, :, :columns].index_select(0, batch.slots) for t in (keys, values))
-            queries = query.index_select(0, batch.gather).view(prompts, length, self.kv_heads, group, self.head_dim)
-            queries = queries.permute(0, 2, 3, 1, 4).reshape(prompts, self.kv_heads, group * length, self.head_dim)
-            sees = batch.sees[:, None, None].expand(prompts, 1, group, length, columns)
-            out = F.scaled_dot_product_attention(queries, own_keys, own_values, scale=self.scaling,
-                                                 attn_mask=sees.reshape(prompts, 1, group * length, columns))
-            out = out.view(prompts, self.kv_heads, group, length, self.head_dim).permute(0, 3, 1, 2, 4)
-            attended.index_copy_(0, batch.rows, out.reshape(prompts * length, -1).index_select(0, batch.places))
-        for slot, start, length, at in attention.alone:
-            end = start + length
-            own = query[at:at + length].transpose(0, 1)[None]
-            if start:
-                sees = torch.arange(end, device=query.device)[None, :] <= torch.arange(start, end, device=query.device)[:, None]
-                masking = {"attn_mask": sees}
-            else:
-                masking = {"is_causal": True}
-            out = F.scaled_dot_product_attention(
-                own, keys[slot, :, :end].repeat_interleave(group, dim=0)[None],
-                values[slot, :, :end].repeat_interleave(group, dim=0)[None], scale=self.scaling, **masking)
-            attended[at:at + length] = out[0].transpose(0, 1).reshape(length, -1)
-        return attended
-
-    def _attend_padded(self, query, keys, values, rows):
-        """Each padded row's attention over its slot's first columns (as many as rows.sees has), masked by
-        rows.sees. The query heads sharing a key head attend as that head's rows: each slot's keys are
-        gathered once, not once per query head."""
-        group = self.heads // self.kv_heads
-        sequences, length, columns = rows.sequences, rows.lengths[0], rows.sees.shape[2]
-        own_keys, own_values = (t[:, :, :columns].index_select(0, rows.prompt_slots) for t in (keys, values))
-        queries = query.view(sequences, length, self.kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)
-        sees = rows.sees[:, None, None].expand(sequences, 1, group, length, columns)
-        attended = F.scaled_dot_product_attention(
-            queries.reshape(sequences, self.kv_heads, group * length, self.head_dim), own_keys, own_values,
-            attn_mask=sees.reshape(sequences, 1, group * length, columns), scale=self.scaling)
-        attended = attended.view(sequences, self.kv_heads, group, length, self.head_dim).permute(0, 3, 1, 2, 4)
-        return attended.reshape(sequences * length, -1)
-
 
 class _MLP:
     def __init__(self, mlp):

@@ -191,10 +191,13 @@ class ContinuedRows:
     conv_tail_rows: torch.Tensor
     # Laid out for a captured graph instead (padded): `sequences` prompts of one length each, their tokens
     # first, then padding, which leaves every state as it is (`real` rows, masked where it would not), and
-    # attention over every column of each prompt's slot, masked by `sees`; everything computed on the device.
+    # attention over each prompt's slot up to each row's column (app.model.text.prefill_attention.continued:
+    # `sees` masks the columns PyTorch's version reads); everything computed on the device.
     sequences: int = 1
     real: torch.Tensor | None = None
     sees: torch.Tensor | None = None
+    prompt_starts: torch.Tensor | None = None  # padded only: `starts` and `lengths` on the device
+    prompt_lengths: torch.Tensor | None = None
     attention: PackedAttention | None = None  # packed only
 
     @classmethod
@@ -213,7 +216,7 @@ class ContinuedRows:
                    torch.arange(sequences, device=device) * length + lengths - 1,
                    (block + torch.arange(width, device=device)).flatten(), (block + width + place).flatten(),
                    torch.arange(width + length, device=device).repeat(sequences), tails, sequences,
-                   (place < lengths[:, None]).flatten(), sees)
+                   (place < lengths[:, None]).flatten(), sees, starts, lengths)
 
     @classmethod
     def packed(cls, lengths: list[int], starts: list[int], slot_list: list[int], width: int, device) -> "ContinuedRows":
