@@ -1,6 +1,7 @@
 """The scheduler's decode loop with a stand-in model: a step stays in flight while the one before it is
 handed out, and what that step chose still counts for the next one's choice."""
 
+import pytest
 import torch
 
 from app.engine.inputs import PreparedInputs
@@ -188,22 +189,25 @@ def test_slot_moves_copy_every_layers_state_at_once():
         assert torch.equal(tensor[[0, 2]], before[name][[4, 5]]) and torch.equal(tensor[1], before[name][1]), name
 
 
-def test_kept_states_come_back_whole_into_other_slots(monkeypatch):
+@pytest.mark.parametrize("joined_bytes", [0, 10**6])  # each snapshot's keys and values alone, or joined
+def test_kept_states_come_back_whole_into_other_slots(monkeypatch, joined_bytes):
     from app.model import batch_cache
 
     monkeypatch.setattr(batch_cache, "SNAPSHOT_SLOTS", 2)  # three slots kept, and restored, in two goes
+    monkeypatch.setattr(batch_cache, "RESTORE_JOINED_BYTES", joined_bytes)
     store = filled_store()
     store.rope_deltas[:] = torch.arange(8)
     kept = store.snapshots([1, 4, 2], [6, 9, 3])
     assert [snapshot.columns for snapshot in kept] == [6, 9, 3]
-    before = {name: tensor.clone() for name, tensor in (("keys", store.keys[3]), ("recurrent", store.recurrent[0]),
-                                                        ("conv", store.conv[0]))}
+    before = {name: tensor.clone() for name, tensor in (("keys", store.keys[3]), ("values", store.values[3]),
+                                                        ("recurrent", store.recurrent[0]), ("conv", store.conv[0]))}
     for tensor in (store.keys[3], store.values[3], store.recurrent[0], store.conv[0]):
         tensor.normal_()  # what the slots held since
     store.restore(kept, [7, 0, 5])
     assert store.lengths[[7, 0, 5]].tolist() == [6, 9, 3] and store.rope_deltas[[7, 0, 5]].tolist() == [1, 4, 2]
     for source, target, length in ((1, 7, 6), (4, 0, 9), (2, 5, 3)):
         assert torch.equal(store.keys[3][target, :, :length], before["keys"][source, :, :length])
+        assert torch.equal(store.values[3][target, :, :length], before["values"][source, :, :length])
         assert torch.equal(store.recurrent[0][target], before["recurrent"][source])
         assert torch.equal(store.conv[0][target], before["conv"][source])
     assert kept[0].nbytes == kept[0].states.numel() + 2 * 2 * 6 * 4 * 4  # keys and values of 6 columns, fp32

@@ -26,6 +26,10 @@ from app.model.text.rows import in_one_copy
 # Slots whose states are copied together when kept or restored (SlotStore.snapshots, restore): the copy's room
 # on the GPU beside the kept blocks is 19 MB a slot at the 4.6 shape, and 12 KB a token.
 SNAPSHOT_SLOTS = 32
+# A restore joins the keys and values of consecutive snapshots up to this many bytes, to write each layer's in one
+# copy rather than one a snapshot (launched one at a time, they left the GPU idle: docs/DECISIONS.md D61); joined
+# whole, those of 32 long conversations would take hundreds of MB more.
+RESTORE_JOINED_BYTES = 128 * 2**20
 
 
 class SlotStore:
@@ -132,14 +136,15 @@ class SlotStore:
         for states, layer, offset, shape, dtype in layout.parts(self):
             target = self._layer(states, layer, shape, dtype, columns=False)
             target[index] = saved[:, offset:offset + _bytes(shape, dtype)].view(dtype).view(count, *shape)
-        # Keys and values slot by slot, from each block itself: joined, those of 32 long conversations would take
-        # hundreds of MB more.
         parts = [(self._layer(states, layer, shape, dtype, columns=True), slice(offset, offset + _bytes(shape, dtype)),
                   shape, dtype) for states, layer, offset, shape, dtype in layout.token_parts(self)]
-        for snapshot, slot in zip(snapshots, slots):
-            tokens = snapshot.tokens
+        for first, last in _joined_runs([snapshot.tokens.numel() for snapshot in snapshots], RESTORE_JOINED_BYTES):
+            some = snapshots[first:last]
+            tokens = some[0].tokens if len(some) == 1 else torch.cat([snapshot.tokens for snapshot in some])
+            token_slots, token_columns = in_one_copy(list(_token_places(slots[first:last], [s.columns for s in some])),
+                                                     self.device)
             for target, part, shape, dtype in parts:
-                target[slot, :, :snapshot.columns] = tokens[:, part].view(dtype).view(-1, *shape).transpose(0, 1)
+                target[token_slots, :, token_columns] = tokens[:, part].view(dtype).view(-1, *shape)
         self.lengths[index] = columns
         self.rope_deltas[index] = torch.stack([snapshot.rope_delta for snapshot in snapshots])
 
@@ -207,6 +212,17 @@ def _bytes(shape, dtype) -> int:
 
 def _aligned(size: int, alignment: int) -> int:
     return -(-size // alignment) * alignment
+
+
+def _joined_runs(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """[first, last) runs of consecutive items whose sizes add up to at most `limit` (an item past it alone)."""
+    runs, first, total = [], 0, 0
+    for at, size in enumerate(sizes):
+        if at > first and total + size > limit:
+            runs.append((first, at))
+            first, total = at, 0
+        total += size
+    return runs + [(first, len(sizes))] if sizes else runs
 
 
 def _token_places(slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
