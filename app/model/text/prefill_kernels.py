@@ -54,7 +54,7 @@ def _continued_attention_kernel(query_ptr, keys_ptr, values_ptr, slots_ptr, star
 
 # Query rows (places times the query heads of a key head) and columns a program takes at a time, its warps and
 # pipeline stages (docs/DECISIONS.md D61).
-CONTINUED_LAYOUT = (64, 64, 8, 2)
+CONTINUED_LAYOUT = (64, 64, 4, 2)
 
 
 def continued_attention(query, keys, values, slots, starts, lengths, scale, layout=None):
