@@ -127,18 +127,27 @@ def main() -> None:
               f"attend {layout}", atol=1e-5 if DEVICE == "cpu" else 1e-2)
     checked.append("attend")
 
-    # A continued prefill's attention: prompts padded at their end to 40 places, going on after 0, 20 and 250 of
-    # their slots' columns, one with 3 new tokens (whole blocks of it padding, which the kernel leaves at zero).
+    # A continued prefill's attention: prompts padded at their end to 40 places, going on after 0, 20, 100 and 260
+    # of their slots' columns, one with 3 new tokens (whole blocks of it padding, which the kernel leaves at zero),
+    # the last reaching the store's last column. What lies past each prompt's places is NaN, so that a read
+    # there shows; so is the output at first, so that a place left unwritten shows.
     length, width = 40, 4
-    slots, starts, lengths = (torch.tensor(v, device=DEVICE) for v in ([4, 0, 2], [0, 20, 250], [40, 3, 17]))
-    query = random(3 * length, heads, head_dim)
-    rows = ContinuedRows.padded(lengths, starts, slots, length, width, capacity)
-    reference = prefill_attention.padded(query, keys, values, rows, heads, kv_heads, head_dim, 0.125)
-    for layout in (None, (16, 16, 4, 1), (32, 64, 4, 2)):  # one block for a prompt's rows; several; columns' last
-        ours = prefill_kernels.continued_attention(query, keys, values, slots, starts, lengths, 0.125, layout)
-        close(ours[rows.real], reference[rows.real], f"continued_attention {layout}",
-              atol=1e-5 if DEVICE == "cpu" else 1e-2)
-        assert torch.isfinite(ours).all(), "continued_attention left a padding row unwritten"
+    slots, starts, lengths = (torch.tensor(v, device=DEVICE) for v in ([4, 0, 2, 1], [0, 20, 100, 260], [17, 3, 40, 40]))
+    prompts = slots.shape[0]
+    for heads in (4, 6):  # 2 and 3 query heads a key head: 3 divides no block of rows
+        query = random(prompts * length, heads, head_dim)
+        rows = ContinuedRows.padded(lengths, starts, slots, length, width, capacity)
+        reference = prefill_attention.padded(query, keys, values, rows, heads, kv_heads, head_dim, 0.125)
+        held_keys, held_values = keys.clone(), values.clone()
+        for slot, end in zip(slots.tolist(), (starts + length).tolist()):
+            held_keys[slot, :, end:], held_values[slot, :, end:] = float("nan"), float("nan")
+        # One block for a prompt's rows; several, the last part-filled; columns past the store's last step.
+        for layout in (None, (16, 16, 4, 1), (32, 64, 4, 2)):
+            ours = torch.full((prompts * length, heads * head_dim), float("nan"), device=DEVICE)
+            prefill_kernels.continued_attention(query, held_keys, held_values, slots, starts, lengths, 0.125, layout, ours)
+            close(ours[rows.real], reference[rows.real], f"continued_attention {heads} heads {layout}",
+                  atol=1e-5 if DEVICE == "cpu" else 1e-2)
+            assert torch.isfinite(ours).all(), "continued_attention left a padding place unwritten"
     checked.append("continued_attention")
 
     # The vision tower's: a width off the block size; windows of four tokens, a head size off the block.

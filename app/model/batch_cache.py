@@ -124,7 +124,8 @@ class SlotStore:
 
     def restore(self, snapshots: list["StateSnapshot"], slots: list[int]) -> None:
         """Put snapshots[i] into slot slots[i], which then holds its tokens (room for them reserved first);
-        the DeltaNet layers' states of SNAPSHOT_SLOTS of them at once, one copy a layer."""
+        the DeltaNet layers' states of SNAPSHOT_SLOTS of them at once, one copy a layer, then their keys and
+        values, one copy a layer for each run of them up to RESTORE_JOINED_BYTES."""
         for first in range(0, len(slots), SNAPSHOT_SLOTS):
             self._restore(snapshots[first:first + SNAPSHOT_SLOTS], slots[first:first + SNAPSHOT_SLOTS])
 
@@ -136,6 +137,7 @@ class SlotStore:
         for states, layer, offset, shape, dtype in layout.parts(self):
             target = self._layer(states, layer, shape, dtype, columns=False)
             target[index] = saved[:, offset:offset + _bytes(shape, dtype)].view(dtype).view(count, *shape)
+        del saved  # before the keys and values are joined: the two at once would raise the restore's peak
         parts = [(self._layer(states, layer, shape, dtype, columns=True), slice(offset, offset + _bytes(shape, dtype)),
                   shape, dtype) for states, layer, offset, shape, dtype in layout.token_parts(self)]
         for first, last in _joined_runs([snapshot.tokens.numel() for snapshot in snapshots], RESTORE_JOINED_BYTES):

@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 # launched from Python.
 CONTINUED_GRAPH_LENGTHS = {1: (16, 64, 256, 1024), 2: (16, 64, 256, 1024), 4: (16, 64, 256, 1024), 8: (16, 256),
                            16: (16, 256), 32: (16,), 64: (16,)}
-# The columns a captured continued prefill's attention reads of each slot: every one, however short the
-# conversation, so the fewest that hold its prompts of 2,048, 4,096, ... (at most the store's). A conversation
-# past 2,048 tokens replays graphs of its own (captured at warm-up up to the store's columns) rather than launches
-# from Python, in pieces that gather no more keys and values than 64 prompts over 2,048 columns.
+# The columns a captured continued prefill is made for: the fewest that hold its prompts of 2,048, 4,096, ... (at
+# most the store's). On CUDA its attention reads each slot's columns up to each row's own, however many that is
+# (D61); PyTorch's version gathers all of them, so a conversation past 2,048 tokens replays graphs of its own
+# (captured at warm-up up to the store's columns), in pieces that would gather no more keys and values than 64
+# prompts over 2,048 columns. Those limits predate D61 and still shape the graphs captured.
 CONTINUED_GRAPH_COLUMNS = 2048
 
 
@@ -81,8 +82,8 @@ class ContinuedPrefillGraphs(GraphSet):
             return None
         reach = max(starts) + length
         columns = min(max(CONTINUED_GRAPH_COLUMNS, 1 << (reach - 1).bit_length()), self.store.column_capacity)
-        # No more keys and values gathered than 64 prompts over 2,048 columns, and a mask within the packed
-        # prefill's (GROUP_AREA places).
+        # No more keys and values than 64 prompts over 2,048 columns, and a mask within the packed prefill's
+        # (GROUP_AREA places), as PyTorch's version of its attention would gather (CONTINUED_GRAPH_COLUMNS).
         too_much = len(lengths) * columns > max(CONTINUED_GRAPH_LENGTHS) * CONTINUED_GRAPH_COLUMNS \
             or len(lengths) * length * columns > GROUP_AREA
         refused = (len(lengths), length, columns) in self.refused

@@ -262,12 +262,15 @@ class _AttentionLayer:
 
     def _prefill(self, hidden, rows, keys, values, continued=False):
         projection, query = self._inputs(hidden, rows, keys, values)
-        shape = (self.heads, self.kv_heads, self.head_dim, self.scaling)
+        heads = (self.heads, self.kv_heads, self.head_dim, self.scaling)
         if rows.sees is None:
-            attended = prefill_attention.packed(query, keys, values, rows.attention, *shape)
+            attended = prefill_attention.packed(query, keys, values, rows.attention, *heads)
+        elif continued:
+            attended = prefill_attention.continued(query, keys, values, rows, *heads)
         else:
-            attended = (prefill_attention.continued if continued else prefill_attention.padded)(query, keys, values, rows, *shape)
+            attended = prefill_attention.padded(query, keys, values, rows, *heads)
         return text_ops.linear(text_ops.output_gated(attended, projection, self.heads, self.head_dim), self.out_weight)
+
 
 class _MLP:
     def __init__(self, mlp):
@@ -332,8 +335,8 @@ class FusedTextModel:
     def prefill_continued_padded(self, embeddings: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
                                  slots: torch.Tensor, columns: int) -> torch.Tensor:
         """prefill_continued for prompts padded at their end to one length: embeddings [prompts * length,
-        hidden], attention over each slot's first `columns` columns; lengths, starts and slots on the
-        device (what app.model.cuda_graphs captures)."""
+        hidden], no row reaching past each slot's first `columns` columns; lengths, starts and slots on the
+        device (what app.model.continued_graphs captures)."""
         length = embeddings.shape[0] // lengths.shape[0]
         rows = ContinuedRows.padded(lengths, starts, slots, length, self.conv_width, columns)
         return self._prefill(embeddings, rows, "prefill_continued")

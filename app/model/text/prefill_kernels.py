@@ -57,13 +57,17 @@ def _continued_attention_kernel(query_ptr, keys_ptr, values_ptr, slots_ptr, star
 CONTINUED_LAYOUT = (64, 64, 4, 2)
 
 
-def continued_attention(query, keys, values, slots, starts, lengths, scale, layout=None):
-    """`layout`: (rows, columns, warps, stages) a program, CONTINUED_LAYOUT's by default."""
+def continued_attention(query, keys, values, slots, starts, lengths, scale, layout=None, out=None):
+    """`layout`: (rows, columns, warps, stages) a program, CONTINUED_LAYOUT's by default; `out`: where to write
+    (a new tensor by default)."""
     n, heads, head_dim = query.shape
     prompts, kv_heads = slots.shape[0], keys.shape[1]
     length, group = n // prompts, heads // kv_heads
     block_m, block_n, warps, stages = layout or CONTINUED_LAYOUT
-    out = torch.empty((n, heads * head_dim), dtype=query.dtype, device=query.device)
+    # What the kernel's addressing assumes: rows of a column's head dimension one after another, keys and values
+    # laid out alike, queries whole.
+    assert keys.stride()[2:] == (head_dim, 1) and values.stride() == keys.stride() and query.is_contiguous()
+    out = torch.empty((n, heads * head_dim), dtype=query.dtype, device=query.device) if out is None else out
     _continued_attention_kernel[(prompts, kv_heads, triton.cdiv(length * group, block_m))](
         query, keys, values, slots, starts, lengths, out, scale, length, keys.stride(0), keys.stride(1), HEADS=heads,
         GROUP=group, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)

@@ -204,8 +204,9 @@ class ContinuedRows:
     def padded(cls, lengths: torch.Tensor, starts: torch.Tensor, prompt_slots: torch.Tensor, length: int,
                width: int, columns: int) -> "ContinuedRows":
         """Prompt i's `lengths[i]` new tokens after slot prompt_slots[i]'s `starts[i]`, then padding up to
-        `length` rows; attention reads the slot's first `columns` columns. Padding rows write their keys
-        at the columns after the prompt, which its decode steps overwrite before reading."""
+        `length` rows; `sees` masks the slot's first `columns` columns (PyTorch's version of the attention
+        reads them all; the kernel reads each row's own). Padding rows write their keys at the columns after
+        the prompt, which its decode steps overwrite before reading."""
         sequences, device = lengths.shape[0], lengths.device
         place = torch.arange(length, device=device)
         column = (starts[:, None] + place).flatten()
