@@ -10,13 +10,13 @@ difference from an fp32 reference on the real rows. On CUDA:
 """
 
 import argparse
-import itertools
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.experiments.decode_attention import layout_grid  # noqa: E402
 from benchmarks.experiments.vision_fp8 import timed  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 
@@ -41,11 +41,8 @@ def main() -> None:
     parser.add_argument("--stages", default="2")
     parser.add_argument("--json")
     args = parser.parse_args()
-    numbers = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    layouts = list(itertools.product(numbers(args.rows), numbers(args.blocks), numbers(args.warps), numbers(args.stages)))
     app_layout = prefill_kernels.CONTINUED_LAYOUT
-    if app_layout not in layouts:
-        layouts.insert(0, app_layout)
+    layouts = layout_grid([args.rows, args.blocks, args.warps, args.stages], app_layout)
     generator = torch.Generator(device="cuda").manual_seed(0)
     keys = torch.randn(64, KV_HEADS, CAPACITY, D, device="cuda", dtype=torch.bfloat16, generator=generator)
     values = torch.randn(64, KV_HEADS, CAPACITY, D, device="cuda", dtype=torch.bfloat16, generator=generator)

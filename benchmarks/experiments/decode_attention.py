@@ -24,6 +24,12 @@ CASES = {"200 x 1000-1600": (200, 1000, 1600), "200 x 676-800": (200, 676, 800),
          "1 x 1300": (1, 1300, 1300)}
 
 
+def layout_grid(lists: list[str], app_layout: tuple) -> list[tuple]:
+    """Every layout of the comma-separated values in `lists` (one list a field), the app's first."""
+    layouts = list(itertools.product(*[[int(value) for value in text.split(",")] for text in lists]))
+    return layouts if app_layout in layouts else [app_layout, *layouts]
+
+
 def main() -> None:
     import torch
 
@@ -37,11 +43,8 @@ def main() -> None:
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--json")
     args = parser.parse_args()
-    numbers = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    layouts = list(itertools.product(numbers(args.parts), numbers(args.blocks), numbers(args.warps), numbers(args.stages)))
     app_layout = text_kernels.attention_layout(CAPACITY)
-    if app_layout not in layouts:
-        layouts.insert(0, app_layout)
+    layouts = layout_grid([args.parts, args.blocks, args.warps, args.stages], app_layout)
     generator = torch.Generator(device="cuda").manual_seed(0)
     keys = torch.randn(200, KV_HEADS, CAPACITY, D, device="cuda", dtype=torch.bfloat16, generator=generator)
     values = torch.randn(200, KV_HEADS, CAPACITY, D, device="cuda", dtype=torch.bfloat16, generator=generator)
