@@ -21,7 +21,8 @@ class StopControl:
     def __init__(self):
         self._lock = threading.Condition()
         self._running: dict[str, set[StopSignal]] = {}
-        self._silenced: set[StopSignal] = set()  # stopped by a Clear: nothing more of theirs reaches the page
+        # Stopped by a Clear, with what the Clear shows: each one's last update, then nothing more of it.
+        self._silenced: dict[StopSignal, tuple] = {}
 
     def started(self, session: str | None, stop: StopSignal) -> None:
         if session is not None:
@@ -30,7 +31,7 @@ class StopControl:
 
     def ended(self, session: str | None, stop: StopSignal) -> None:
         with self._lock:
-            self._silenced.discard(stop)
+            self._silenced.pop(stop, None)
             stops = self._running.get(session, set())
             stops.discard(stop)
             if not stops:
@@ -44,18 +45,28 @@ class StopControl:
         for stop in stops:
             stop.set()
 
-    def silence(self, request: gr.Request, timeout: float) -> None:
-        """Stop the session's replies with nothing more of theirs sent to the page, and wait (up to `timeout`
-        s) until their handlers have ended: what the page is given next is the last it shows (a Clear)."""
+    def silence(self, request: gr.Request, timeout: float, shown: tuple) -> None:
+        """Stop the session's replies, each ending with `shown` (what a Clear shows, for its first outputs) and
+        nothing more, and wait (up to `timeout` s) until their handlers have ended.
+
+        Not with nothing at all: the page applies a streaming event's updates on timers of its own (Gradio
+        6.31), and one sent just before the Clear's was seen to land after it, putting the conversation back
+        (docs/DECISIONS.md D62). Ending on what the Clear shows, the reply's last update is the Clear's too."""
         with self._lock:
-            self._silenced.update(self._running.get(request.session_hash, ()))
+            self._silenced.update((stop, shown) for stop in self._running.get(request.session_hash, ()))
         self.stop(request)
         with self._lock:
             self._lock.wait_for(lambda: request.session_hash not in self._running, timeout)
 
-    def silenced(self, stop: StopSignal) -> bool:
+    def last_update(self, stop: StopSignal, update):
+        """What a silenced reply shows instead of `update`, its next (and last) one; None if it is not silenced."""
         with self._lock:
-            return stop in self._silenced
+            shown = self._silenced.get(stop)
+        if shown is None:
+            return None
+        if not isinstance(update, tuple):
+            return shown[0]
+        return (*shown[:len(update)], *[gr.skip()] * (len(update) - len(shown)))
 
 
 def cancellable(handler, blocks, control: StopControl | None = None):
@@ -82,10 +93,8 @@ def cancellable(handler, blocks, control: StopControl | None = None):
         try:
             while (update := await anyio.to_thread.run_sync(next, updates, _END, abandon_on_cancel=True,
                                                             limiter=blocks.limiter)) is not _END:
-                if control.silenced(stop):
-                    # Gradio sends a generator's last update again as its event completes, and that could reach
-                    # the page after the Clear that silenced it: the last update changes nothing.
-                    yield tuple(gr.skip() for _ in update) if isinstance(update, tuple) else gr.skip()
+                if (last := control.last_update(stop, update)) is not None:
+                    yield last
                     break
                 yield update
         finally:
