@@ -1,12 +1,14 @@
 """The scheduler's whole loop against a stand-in runner whose slots hold the tokens fed to them: through waves
 joining behind the step in flight, leaves that move slots, cancellations and inline mode, every request's reply
-is its reply alone (docs/DECISIONS.md D50); and the loop's edges: a wave whose first choice fails, pause()."""
+is its reply alone (docs/DECISIONS.md D50); and the loop's edges: a wave whose first choice fails, a wave whose
+media's launch fails on the launcher's thread, pause()."""
 
 import contextlib
 import dataclasses
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from app.engine.scheduler import Scheduler
 from app.engine.settings import GenerationSettings, RowSettings
 from app.model.runner import BatchRunner
 from app.model.sampling import choose
+from app.model.streams import MediaEncoding
 
 VOCAB, END = 50, 7
 BUCKETS = (1, 2, 4, 8, 16, 32)  # a captured step pads its rows to one of these
@@ -222,6 +225,55 @@ def test_a_wave_whose_first_tokens_cannot_be_chosen_hears_the_error():
     for _ in range(20):
         scheduler._iteration(wait=False)
     assert all(events[number][-1][0] == "error" for number in range(2)), events
+
+
+class FailingLaunch(SequenceSlots):
+    """Each wave's media launched on a thread of its own, as on CUDA (app.model.streams.SideStreams); the
+    second wave's launch runs out of memory there."""
+
+    def __init__(self, rng: random.Random):
+        super().__init__(rng)
+        self.launcher, self.waves = ThreadPoolExecutor(1), 0
+
+    def encode_media_ahead(self, batch, decoding):
+        self.waves += 1
+
+        def launch(wave=self.waves):
+            time.sleep(0.02)
+            if wave == 2:
+                raise torch.cuda.OutOfMemoryError("no room for the wave's tower")
+            return [None] * len(batch)
+        return MediaEncoding(self.launcher.submit(launch), None, 0.0)
+
+
+def test_a_wave_whose_media_launch_fails_hears_the_error_and_the_running_reply_goes_on():
+    rng = random.Random(5)
+    runner = FailingLaunch(rng)
+    scheduler = new_scheduler(runner)
+    events, requests = {}, []
+    for number in range(3):
+        request, prompt = new_request(rng, number, events, max_new_tokens=40, min_new_tokens=40)
+        requests.append((number, request, prompt))
+    scheduler.submit(requests[0][1])
+    assert wait_until(lambda: scheduler._iteration(wait=False) and requests[0][1].generated)
+    for _, request, _ in requests[1:]:
+        scheduler.submit(request)
+        assert wait_until(lambda: scheduler._iteration(wait=False) and request.started_at and not scheduler._encoding)
+    while scheduler._iteration(wait=False):
+        pass
+    failed = requests[1][1]
+    assert [kind for kind, _ in events[1]] == ["error"] and not failed.generated
+    assert isinstance(events[1][0][1], torch.cuda.OutOfMemoryError)
+    for number, request, prompt in (requests[0], requests[2]):
+        assert request.generated == alone(prompt, request.settings), number
+        check_events(events[number], request.generated, cancelled=False)
+
+
+def wait_until(condition, seconds: float = 5) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return bool(condition())
 
 
 class SlowReadBack(SequenceSlots):

@@ -243,10 +243,10 @@ class Scheduler:
         decode step in flight), and choose each its first token, handed out with that step."""
         started = time.perf_counter()
         admitted, encoding = self._encoding
-        self.metrics.wave_encoded(encoding.seconds)
         try:
             columns = max(r.prepared.prompt_tokens + r.settings.max_new_tokens for r in admitted)
             features = wave_features(admitted, encoding.features(), self.images, self.runner)
+            self.metrics.wave_encoded(encoding.seconds)
             admitted, logits = prefill_wave(self.runner, self.conversations, admitted, features, len(self._running), columns)
         except Exception as error:
             self._encoding = None

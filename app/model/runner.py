@@ -94,9 +94,13 @@ class BatchRunner:
                     tensors[key] = staged
 
     def encode_media_ahead(self, batch: list[tuple[dict, str]], decoding: bool) -> MediaEncoding:
-        """encode_media, on CUDA launched on the vision stream without waiting for it: the features are
-        ready when the returned MediaEncoding says so. Elsewhere computed at once. `decoding`: replies
-        decode meanwhile (app.model.streams.SideStreams.encode_ahead)."""
+        """encode_media, on CUDA launched on the vision stream from a thread of its own, neither waited for:
+        the features are ready when the returned MediaEncoding says so. Elsewhere computed at once.
+        `decoding`: replies decode meanwhile (app.model.streams.SideStreams.encode_ahead). The caller may let
+        the pixels in `batch`'s dicts go once this returns: the launch reads copies of the dicts."""
+        if all(tensors.get(key) is None for tensors, _ in batch for key in PIXEL_KEYS):  # nothing to encode
+            return MediaEncoding([None] * len(batch), None, 0.0)
+        batch = [(dict(tensors), mode) for tensors, mode in batch]
         return self.streams.encode_ahead(lambda: self.encode_media(batch), decoding)
 
     def encode_media(self, batch: list[tuple[dict, str]]) -> list[torch.Tensor | None]:

@@ -1,11 +1,13 @@
 """Where media pixels and the vision tower's work meet the GPU's streams: pixels staged on the GPU ahead of
 their wave (pinned host memory, copied on a side stream), a wave's media encoded on a stream of its own
-beside the decode steps (MediaEncoding), and the scheduler's own high-priority stream."""
+beside the decode steps, launched from a thread of its own (MediaEncoding), and the scheduler's own
+high-priority stream."""
 
 import contextlib
 import functools
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -14,14 +16,21 @@ from app import tuning
 
 
 class MediaEncoding:
-    """A wave's visual features (encode_media's list), computed at once or still being computed on the
-    vision stream; `events` (started, done) there, `seconds` the time taken where known at once."""
+    """A wave's visual features (encode_media's list): computed at once, or still being launched (a Future
+    of the list) and computed on the vision stream; `events` (started, done) there, `seconds` the time taken
+    where known at once."""
 
-    def __init__(self, features: list, events: tuple | None, seconds: float | None):
+    def __init__(self, features: list | Future, events: tuple | None, seconds: float | None):
         self._features, self._events, self._seconds = features, events, seconds
 
     def ready(self, wait: bool) -> bool:
-        """Whether the features are computed; with `wait`, once they are (the host waits for the GPU)."""
+        """Whether the features are computed, or their launch failed (features() then raises the error, for
+        this wave alone); with `wait`, once either is so (the host waits for the GPU)."""
+        if isinstance(self._features, Future):
+            if not wait and not self._features.done():
+                return False
+            if self._features.exception() is not None:  # waits for the launch to end
+                return True
         if self._events is None:
             return True
         if wait:
@@ -35,14 +44,16 @@ class MediaEncoding:
         return self._seconds if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1000
 
     def features(self) -> list[torch.Tensor | None]:
-        """The features, for use on the current stream (which waits for them, without the host waiting)."""
+        """The features, for use on the current stream (which waits for them, without the host waiting);
+        raises what failed their launch."""
+        features = self._features.result() if isinstance(self._features, Future) else self._features
         if self._events is not None:
             stream = torch.cuda.current_stream(self._events[1].device)
             stream.wait_event(self._events[1])
-            for feature in self._features:
+            for feature in features:
                 if feature is not None:
                     feature.record_stream(stream)  # made on the vision stream: not to be reused before this use
-        return self._features
+        return features
 
 
 class StagedPixels:
@@ -132,26 +143,38 @@ class NoStaging:
 
 class SideStreams:
     """CUDA: prefills and decode steps on the serving stream, a wave's media encoded on the vision stream
-    beside them (app.model.runner says why)."""
+    beside them (app.model.runner says why), launched from a thread of its own.
+
+    On the scheduler's thread, a wave's launch took as long as its tower (14-35 ms for 448x448 photos at 10-200
+    users on an H100), and no decode step was launched meanwhile: every running reply waited for each newcomer
+    (docs/DECISIONS.md D63).
+    """
 
     def __init__(self, device):
         self.device = device
         self._serving = serving_stream(device)
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="vision-launcher")
 
     def serving(self):
         """A context in which GPU work goes to the serving stream."""
         return torch.cuda.stream(self._serving)
 
     def encode_ahead(self, encode: Callable[[], list], decoding: bool) -> MediaEncoding:
-        """encode() launched on the vision stream without waiting for it; `decoding`: replies decode
-        meanwhile, and the tower's matrix products leave them tuning.VISION_SM_CARVEOUT SMs."""
+        """encode() launched on the vision stream from the launcher's thread, neither waited for; `decoding`:
+        replies decode meanwhile, and the tower's matrix products leave them tuning.VISION_SM_CARVEOUT SMs (a
+        setting of the whole process: the serving stream's products meanwhile leave them too)."""
         stream = vision_stream(self.device)
-        with torch.cuda.stream(stream), matmuls_leaving_sms(tuning.VISION_SM_CARVEOUT if decoding else 0):
-            started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            started.record(stream)
-            features = encode()
-            done.record(stream)
-        return MediaEncoding(features, (started, done), None)
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        carveout = tuning.VISION_SM_CARVEOUT if decoding else 0
+
+        def launch() -> list:
+            with torch.inference_mode(), torch.cuda.stream(stream), matmuls_leaving_sms(carveout):
+                started.record(stream)
+                features = encode()
+                done.record(stream)
+            return features
+
+        return MediaEncoding(self._launcher.submit(launch), (started, done), None)
 
 
 class OneStream:

@@ -20,12 +20,12 @@ modules) and is otherwise what the code here assumes (fused_vision_tower_for che
 `MINICPMV_FUSED_VISION_TOWER=0` asks for transformers' modules.
 """
 
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from app.model.vision import ops as vision_ops
 from app.model.text.fused import merge_parameters
@@ -93,15 +93,23 @@ def _attend_slices(qkv: torch.Tensor, runs: list[tuple[int, int]], heads: int, s
     for length, count in runs:
         rows = qkv[start:start + length * count].view(count, length, 3, heads, hidden // heads)
         query, key, value = (rows[:, :, part].transpose(1, 2) for part in range(3))
-        if qkv.is_cuda and count >= CUDNN_FROM_SLICES:
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                              SDPBackend.MATH], set_priority=True):  # the first this GPU runs
-                attended = F.scaled_dot_product_attention(query, key, value, scale=scale)
+        if count >= CUDNN_FROM_SLICES and _cudnn_attention_runs(query.device):
+            # cuDNN's kernel called by name: sdpa_kernel() would turn cuDNN on for the whole process while it
+            # lasts, and the scheduler's thread (the tower is launched from another) keeps it off (D23, D63).
+            attended = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, False, scale=scale)[0]
         else:
             attended = F.scaled_dot_product_attention(query, key, value, scale=scale)
         outputs.append(attended.transpose(1, 2).reshape(length * count, hidden))
         start += length * count
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+@functools.cache
+def _cudnn_attention_runs(device: torch.device) -> bool:
+    """Whether cuDNN's attention kernel runs on `device`: as PyTorch's SDPA asks, a GPU of compute capability
+    8.0 on and cuDNN 9."""
+    return (device.type == "cuda" and torch.backends.cudnn.is_available() and torch.backends.cudnn.version() >= 90000
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 class _Attention:
