@@ -261,6 +261,7 @@ def test_a_wave_whose_media_launch_fails_hears_the_error_and_the_running_reply_g
         assert wait_until(lambda: scheduler._iteration(wait=False) and request.started_at and not scheduler._encoding)
     while scheduler._iteration(wait=False):
         pass
+    runner.launcher.shutdown()
     failed = requests[1][1]
     assert [kind for kind, _ in events[1]] == ["error"] and not failed.generated
     assert isinstance(events[1][0][1], torch.cuda.OutOfMemoryError)

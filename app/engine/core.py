@@ -210,6 +210,7 @@ class ModelManager:
         self._ready.clear()
         self.scheduler.detach()
         self.scheduler.forget_kept()  # the old model's states and features, in GPU memory the new one needs
+        self.runner.close()
         self.runner.release()
         self.runner = None
         self.preparer.close()

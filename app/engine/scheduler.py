@@ -249,7 +249,9 @@ class Scheduler:
             self.metrics.wave_encoded(encoding.seconds)
             admitted, logits = prefill_wave(self.runner, self.conversations, admitted, features, len(self._running), columns)
         except Exception as error:
-            self._encoding = None
+            with self._changed:
+                self._encoding = None
+                self._changed.notify_all()  # pause() waits for no wave
             self._fail(admitted, error)
             return
         running = self._running_inputs()

@@ -308,6 +308,10 @@ class BatchRunner:
         self.steps.clear()
         self.text.clear()
 
+    def close(self) -> None:
+        """The model is being unloaded: wait for a wave's media launch in progress, and end its thread."""
+        self.streams.close()
+
     @staticmethod
     def after_error(error: Exception) -> bool:
         """After `error`, if the GPU ran out of memory: what the allocator keeps cached goes back to the card.

@@ -40,7 +40,8 @@ class MediaEncoding:
 
     @property
     def seconds(self) -> float:
-        """The encoding's time, once ready (on CUDA the vision stream's, alongside other work)."""
+        """The encoding's time, once ready and its features() given (on CUDA the vision stream's, alongside
+        other work)."""
         return self._seconds if self._events is None else self._events[0].elapsed_time(self._events[1]) / 1000
 
     def features(self) -> list[torch.Tensor | None]:
@@ -161,8 +162,9 @@ class SideStreams:
 
     def encode_ahead(self, encode: Callable[[], list], decoding: bool) -> MediaEncoding:
         """encode() launched on the vision stream from the launcher's thread, neither waited for; `decoding`:
-        replies decode meanwhile, and the tower's matrix products leave them tuning.VISION_SM_CARVEOUT SMs (a
-        setting of the whole process: the serving stream's products meanwhile leave them too)."""
+        replies decode meanwhile, and the tower's matrix products leave them tuning.VISION_SM_CARVEOUT SMs.
+        The carve-out is a setting of the whole process, which a decode graph captured meanwhile would keep:
+        with one, the tower is launched on the caller's thread, as before D63."""
         stream = vision_stream(self.device)
         started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         carveout = tuning.VISION_SM_CARVEOUT if decoding else 0
@@ -174,7 +176,11 @@ class SideStreams:
                 done.record(stream)
             return features
 
-        return MediaEncoding(self._launcher.submit(launch), (started, done), None)
+        return MediaEncoding(launch() if carveout else self._launcher.submit(launch), (started, done), None)
+
+    def close(self) -> None:
+        """Wait for a launch in progress (a model being unloaded), and end the launcher's thread."""
+        self._launcher.shutdown(wait=True)
 
 
 class OneStream:
@@ -188,6 +194,9 @@ class OneStream:
         started = time.perf_counter()
         features = encode()
         return MediaEncoding(features, None, time.perf_counter() - started)
+
+    def close(self) -> None:
+        pass
 
 
 @contextlib.contextmanager

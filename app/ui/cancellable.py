@@ -21,7 +21,8 @@ class StopControl:
     def __init__(self):
         self._lock = threading.Condition()
         self._running: dict[str, set[StopSignal]] = {}
-        # Stopped by a Clear, with what the Clear shows: each one's last update, then nothing more of it.
+        # Stopped by a Clear, with what the Clear shows: each one's last update, then nothing more of it (an
+        # empty tuple: nothing at all).
         self._silenced: dict[StopSignal, tuple] = {}
 
     def started(self, session: str | None, stop: StopSignal) -> None:
@@ -52,11 +53,15 @@ class StopControl:
         Not with nothing at all: the page applies a streaming event's updates on timers of its own (Gradio
         6.31), and one sent just before the Clear's was seen to land after it, putting the conversation back
         (docs/DECISIONS.md D62). Ending on what the Clear shows, the reply's last update is the Clear's too."""
+        session = request.session_hash
         with self._lock:
-            self._silenced.update((stop, shown) for stop in self._running.get(request.session_hash, ()))
+            self._silenced.update((stop, shown) for stop in self._running.get(session, ()))
         self.stop(request)
         with self._lock:
-            self._lock.wait_for(lambda: request.session_hash not in self._running, timeout)
+            if not self._lock.wait_for(lambda: session not in self._running, timeout):
+                # Still running after the wait: its update could come after a newer question's, which it must
+                # not empty. It ends showing nothing more.
+                self._silenced.update((stop, ()) for stop in self._running.get(session, ()))
 
     def last_update(self, stop: StopSignal, update):
         """What a silenced reply shows instead of `update`, its next (and last) one; None if it is not silenced."""
@@ -65,7 +70,7 @@ class StopControl:
         if shown is None:
             return None
         if not isinstance(update, tuple):
-            return shown[0]
+            return shown[0] if shown else gr.skip()
         return (*shown[:len(update)], *[gr.skip()] * (len(update) - len(shown)))
 
 

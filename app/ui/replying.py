@@ -112,9 +112,10 @@ CLEAR_WAIT_S = 5.0
 
 def wire_clear(box, chatbot, control: StopControl, answers: list, also: tuple = ()) -> None:
     """The chat's Clear (its bin icon) stops the reply in progress, if any, whose last update is the Clear's
-    own (StopControl.silence), then empties the chat: the page empties it at once, and the reply's next
-    update put the whole conversation back. On ZeroGPU, whose GPU worker runs the handler, it cancels the reply instead. `also`: other events
-    that start a new conversation (their listeners, as `gallery.upload`), which do the same."""
+    own (StopControl.silence), then empties the chat. Only emptied by the page, it got the whole conversation
+    back with the reply's next update. On ZeroGPU, whose GPU worker runs the handler, it cancels the reply
+    instead. `also`: other events that start a new conversation (their listeners, as `gallery.upload`), which
+    do the same."""
     def clear(request: gr.Request):
         shown = ([], box_idle())
         control.silence(request, CLEAR_WAIT_S, shown)

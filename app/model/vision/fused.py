@@ -93,21 +93,33 @@ def _attend_slices(qkv: torch.Tensor, runs: list[tuple[int, int]], heads: int, s
     for length, count in runs:
         rows = qkv[start:start + length * count].view(count, length, 3, heads, hidden // heads)
         query, key, value = (rows[:, :, part].transpose(1, 2) for part in range(3))
-        if count >= CUDNN_FROM_SLICES and _cudnn_attention_runs(query.device):
+        attended = None
+        if count >= CUDNN_FROM_SLICES and _cudnn_attention_runs(query):
             # cuDNN's kernel called by name: sdpa_kernel() would turn cuDNN on for the whole process while it
             # lasts, and the scheduler's thread (the tower is launched from another) keeps it off (D23, D63).
-            attended = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, False, scale=scale)[0]
-        else:
+            try:
+                attended = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, False,
+                                                                               scale=scale)[0]
+            except RuntimeError:  # a shape or build this cuDNN refuses: SDPA's own choice, as without it
+                log.warning("cuDNN's attention refused %s slices of %s tokens", count, length, exc_info=True)
+        if attended is None:
             attended = F.scaled_dot_product_attention(query, key, value, scale=scale)
         outputs.append(attended.transpose(1, 2).reshape(length * count, hidden))
         start += length * count
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
+def _cudnn_attention_runs(query: torch.Tensor) -> bool:
+    """Whether cuDNN's attention kernel takes `query` [slices, heads, tokens, head dim], as PyTorch's SDPA would
+    choose it: 16-bit, a head dimension of at most 128 in multiples of 8, on a GPU of compute capability 8.0 on
+    with cuDNN 9."""
+    head_dim = query.shape[-1]
+    return (query.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 128
+            and _cudnn_attention_device(query.device))
+
+
 @functools.cache
-def _cudnn_attention_runs(device: torch.device) -> bool:
-    """Whether cuDNN's attention kernel runs on `device`: as PyTorch's SDPA asks, a GPU of compute capability
-    8.0 on and cuDNN 9."""
+def _cudnn_attention_device(device: torch.device) -> bool:
     return (device.type == "cuda" and torch.backends.cudnn.is_available() and torch.backends.cudnn.version() >= 90000
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
