@@ -22,6 +22,7 @@ from app.engine.settings import GenerationSettings, RowSettings
 from app.model.runner import BatchRunner
 from app.model.sampling import choose
 from app.model.streams import MediaEncoding
+from tests.conftest import wait_for
 
 VOCAB, END = 50, 7
 BUCKETS = (1, 2, 4, 8, 16, 32)  # a captured step pads its rows to one of these
@@ -255,10 +256,10 @@ def test_a_wave_whose_media_launch_fails_hears_the_error_and_the_running_reply_g
         request, prompt = new_request(rng, number, events, max_new_tokens=40, min_new_tokens=40)
         requests.append((number, request, prompt))
     scheduler.submit(requests[0][1])
-    assert wait_until(lambda: scheduler._iteration(wait=False) and requests[0][1].generated)
+    assert wait_for(lambda: scheduler._iteration(wait=False) and requests[0][1].generated, 5)
     for _, request, _ in requests[1:]:
         scheduler.submit(request)
-        assert wait_until(lambda: scheduler._iteration(wait=False) and request.started_at and not scheduler._encoding)
+        assert wait_for(lambda: scheduler._iteration(wait=False) and request.started_at and not scheduler._encoding, 5)
     while scheduler._iteration(wait=False):
         pass
     runner.launcher.shutdown()
@@ -268,13 +269,6 @@ def test_a_wave_whose_media_launch_fails_hears_the_error_and_the_running_reply_g
     for number, request, prompt in (requests[0], requests[2]):
         assert request.generated == alone(prompt, request.settings), number
         check_events(events[number], request.generated, cancelled=False)
-
-
-def wait_until(condition, seconds: float = 5) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return bool(condition())
 
 
 class SlowReadBack(SequenceSlots):
