@@ -154,7 +154,7 @@ PROCESS_MAINS = (("app/main.py", "main"), ("app/engine/process.py", "serve"), ("
 
 
 def test_every_kind_of_process_starts_through_one_routine():
-    """Signals, logging, the environment's knobs, the GIL interval and torch's threads are set in
+    """Signals, logging, the environment's knobs, the GIL interval, torch's threads and malloc's thresholds are set in
     app.startup.start_process, which every process's main calls first; nowhere else."""
     for where, name in PROCESS_MAINS:
         tree = ast.parse((ROOT / where).read_text())
@@ -168,6 +168,8 @@ def test_every_kind_of_process_starts_through_one_routine():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in setters:
                 raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} calls {node.func.attr} outside app.startup")
+            if isinstance(node, ast.Attribute) and node.attr == "mallopt":  # reached through ctypes, called later
+                raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} takes mallopt outside app.startup")
 
 
 def test_nothing_reads_the_environment_at_import():
