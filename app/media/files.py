@@ -7,6 +7,8 @@ from app import limits
 from app.messages import MSG_NOT_AN_UPLOAD, MSG_UNSUPPORTED_FILE, MSG_UPLOAD_GONE
 from app.errors import UserError, displayable
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # a PNG's first 8 bytes
+
 
 def media_kind(path: str) -> str:
     """Return "image" or "video" for a supported upload; raise UserError otherwise."""

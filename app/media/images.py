@@ -11,7 +11,7 @@ from PIL import ExifTags, Image, ImageOps
 from app import limits
 from app.messages import MSG_IMAGE_TOO_LARGE, MSG_IMAGE_TOO_THIN, MSG_UNREADABLE_IMAGE
 from app.errors import UserError
-from app.media.files import check_local_file
+from app.media.files import PNG_SIGNATURE, check_local_file
 
 # Decoded by torchvision (libjpeg-turbo) straight into the tensor the image processor takes, with no PIL image
 # to convert (docs/DECISIONS.md D11). Not PNG: torchvision's libpng decoder ends the whole process on a
@@ -19,7 +19,6 @@ from app.media.files import check_local_file
 # decoded by libspng where the caller may hold the GIL, else by OpenCV (D53); any other by PIL.
 _TENSOR_DECODED_FORMATS = ("JPEG",)
 _PNG_RGB8 = (8, 2)  # IHDR's bit depth and colour type
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WHITE = (255, 255, 255, 255)
 
 
@@ -76,7 +75,7 @@ def _png_layout(path: str) -> PngLayout | None:
     more than MAX_PNG_CHUNKS chunks (16.6 M empty ones, 199 MB, held PIL's opening 49 s and 2.9 GB)."""
     refused = UserError(MSG_UNREADABLE_IMAGE.format(name=os.path.basename(path)))
     with open(path, "rb") as file:
-        if file.read(len(_PNG_SIGNATURE)) != _PNG_SIGNATURE:
+        if file.read(len(PNG_SIGNATURE)) != PNG_SIGNATURE:
             return None
         ihdr = file.read(8 + 13 + 4)  # its length, its type, its 13 bytes, its checksum
         if len(ihdr) < 25 or ihdr[4:8] != b"IHDR":

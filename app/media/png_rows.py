@@ -11,8 +11,8 @@ import struct
 import deflate
 
 from app import limits
+from app.media.files import PNG_SIGNATURE
 
-_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by IHDR's colour type
 _STORED_BLOCK = 65535  # the most a stored deflate block holds
 # The most rows taken (a 4,600x4,600 RGB image): libspng is then handed them whole, where a compressible PNG was
@@ -27,7 +27,7 @@ def with_rows_stored(data: bytes) -> bytes | None:
     laid out as expected (IHDR first, one run of IDAT chunks, IEND), interlaced, with rows past MAX_ROWS_BYTES, or
     with a stream that does not inflate, checksum and all, to exactly its rows' size (libspng then refuses it, or
     decodes what it can)."""
-    if data[:8] != _SIGNATURE or data[8:16] != b"\x00\x00\x00\x0dIHDR" or len(data) < _FIRST_CHUNK_AFTER_IHDR:
+    if data[:8] != PNG_SIGNATURE or data[8:16] != b"\x00\x00\x00\x0dIHDR" or len(data) < _FIRST_CHUNK_AFTER_IHDR:
         return None
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     bit_depth, colour_type, interlaced = data[24], data[25], data[28]
