@@ -11,6 +11,8 @@ import gradio as gr
 
 from app.ui.cancellable import StopControl, cancellable
 
+SHOWN = ([], {"submit_btn": True, "__type__": "update"})  # what a Clear puts on the page: an empty chat, Send back
+
 
 def endless_reply(history, settings, slow_to_stop: float, stop=None):
     """A reply that streams until stopped, then says so, as app.ui.handlers.respond does (after `slow_to_stop` s)."""
@@ -38,11 +40,10 @@ def test_a_silenced_reply_ends_on_what_the_clear_shows_and_says_nothing_more():
     control, blocks = StopControl(), SimpleNamespace(limiter=None)
     request = SimpleNamespace(session_hash="session-1")
     run = cancellable(endless_reply, blocks, control)
-    shown = ([], {"submit_btn": True, "__type__": "update"})
-    updates = asyncio.run(collect(run, request, silence_after=3, control=control, shown=shown))
+    updates = asyncio.run(collect(run, request, silence_after=3, control=control, shown=SHOWN))
     *streamed, last = updates
     assert len(streamed) >= 3 and all(update[0][-1]["content"].startswith("word") for update in streamed)
-    assert last == ([], shown[1], gr.skip())  # the stopped text never reaches the page
+    assert last == ([], SHOWN[1], gr.skip())  # the stopped text never reaches the page
     assert not control._running  # the handler ended; the Clear's wait returned with it
 
 
@@ -51,8 +52,7 @@ def test_a_reply_still_running_after_the_clears_wait_ends_showing_nothing_more()
     control, blocks = StopControl(), SimpleNamespace(limiter=None)
     request = SimpleNamespace(session_hash="session-2")
     run = cancellable(endless_reply, blocks, control)
-    shown = ([], {"submit_btn": True, "__type__": "update"})
-    updates = asyncio.run(collect(run, request, silence_after=2, control=control, shown=shown, wait=0.05,
+    updates = asyncio.run(collect(run, request, silence_after=2, control=control, shown=SHOWN, wait=0.05,
                                   slow_to_stop=0.5))
     assert updates[-1] == (gr.skip(), gr.skip(), gr.skip())
     assert all(update[0] for update in updates[:-1])
