@@ -200,8 +200,10 @@ def _one_turn_prompt(token: int = 0):
     return PreparedInputs(tensors={"input_ids": torch.tensor([[token, 7]])}, prompt_tokens=2, turn_starts=(0, 1))
 
 
-def test_the_padded_continued_prefill_matches_the_packed_one(manager):
-    """What a captured graph runs (prompts padded at their end, on the device) against the launched path."""
+@pytest.mark.parametrize("length, tail_lengths", [(16, (5, 11)), (192, (130, 157))])
+def test_the_padded_continued_prefill_matches_the_packed_one(manager, length, tail_lengths):
+    """What a captured graph runs (prompts padded at their end, on the device) against the launched path: a
+    generation prompt's length, and one of the lengths between powers of two (a chat reply's turn)."""
     import torch
 
     runner, fused = manager.runner, manager.runner.text.fused
@@ -209,18 +211,18 @@ def test_the_padded_continued_prefill_matches_the_packed_one(manager):
     embed = fused.embed
     generator = torch.Generator().manual_seed(0)
     heads = [torch.randint(0, embed.num_embeddings, (1, n), generator=generator) for n in (40, 23)]
-    tails = [torch.randint(0, embed.num_embeddings, (1, n), generator=generator) for n in (5, 11)]
+    tails = [torch.randint(0, embed.num_embeddings, (1, n), generator=generator) for n in tail_lengths]
+    columns = 40 + length
     with torch.inference_mode():
-        runner.prefill([(ids, None, None) for ids in heads], 0, 128)
+        runner.prefill([(ids, None, None) for ids in heads], 0, columns)
         snapshots = runner.snapshots([0, 1], [ids.shape[1] for ids in heads])
-        packed = runner.prefill_continued([(ids, None) for ids in tails], [40, 23], [0, 1], 128)
-        after_packed = runner.snapshots([0, 1], [40 + 5, 23 + 11])
-        runner.restore(snapshots, [2, 3], 128)
-        length = 16
+        packed = runner.prefill_continued([(ids, None) for ids in tails], [40, 23], [0, 1], columns)
+        after_packed = runner.snapshots([0, 1], [40 + tail_lengths[0], 23 + tail_lengths[1]])
+        runner.restore(snapshots, [2, 3], columns)
         embeddings = torch.zeros((2 * length, embed.embedding_dim), dtype=embed.weight.dtype)
         for row, ids in enumerate(tails):
             embeddings[row * length:row * length + ids.shape[1]] = embed(ids)[0]
-        padded = fused.prefill_continued_padded(embeddings, torch.tensor([5, 11]), torch.tensor([40, 23]),
+        padded = fused.prefill_continued_padded(embeddings, torch.tensor(tail_lengths), torch.tensor([40, 23]),
                                                 torch.tensor([2, 3]), store.column_capacity)
     torch.testing.assert_close(padded, packed, rtol=1e-4, atol=1e-4)
     for slot, expected in enumerate(after_packed):
