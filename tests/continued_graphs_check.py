@@ -32,7 +32,7 @@ def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--prompts", default="64,48", help="waves' sizes, comma-separated")
     parser.add_argument("--turn-tokens", default="0", help="tokens of a new turn before each generation prompt, "
-                        "comma-separated (150: a follow-up's, run as graphs of 256 places)")
+                        "comma-separated (150: a follow-up's, run as graphs of 192 places)")
     args = parser.parse_args()
     manager = ModelManager(AppConfig(model=chosen_model(args), engine_process=False))
     manager.load()

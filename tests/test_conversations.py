@@ -200,11 +200,17 @@ def _one_turn_prompt(token: int = 0):
     return PreparedInputs(tensors={"input_ids": torch.tensor([[token, 7]])}, prompt_tokens=2, turn_starts=(0, 1))
 
 
-@pytest.mark.parametrize("length, tail_lengths", [(16, (5, 11)), (192, (130, 157))])
-def test_the_padded_continued_prefill_matches_the_packed_one(manager, length, tail_lengths):
-    """What a captured graph runs (prompts padded at their end, on the device) against the launched path: a
-    generation prompt's length, and one of the lengths between powers of two (a chat reply's turn)."""
+@pytest.mark.parametrize("between_powers_of_two", [False, True])
+def test_the_padded_continued_prefill_matches_the_packed_one(manager, between_powers_of_two):
+    """What a captured graph runs (prompts padded at their end, on the device) against the launched path: at a
+    generation prompt's length, and at the first captured length that is no power of two (a chat reply's turn,
+    its padding across chunks of 64 tokens)."""
     import torch
+
+    from app.model.continued_graphs import CONTINUED_GRAPH_LENGTHS
+
+    length = next(size for size in CONTINUED_GRAPH_LENGTHS[2] if size & (size - 1)) if between_powers_of_two else 16
+    tail_lengths = (length - 62, length - 35) if between_powers_of_two else (5, 11)
 
     runner, fused = manager.runner, manager.runner.text.fused
     store = runner.store

@@ -353,7 +353,7 @@ def test_a_prefill_of_any_count_replays_a_captured_graph_for_each_piece_of_2_to_
     assert replays == [slots[:32], slots[32:48]] and logits[:, 0].tolist() == slots[:48]
     pieces.clear(), replays.clear()
     monkeypatch.setattr(continued, "_ready", ready)
-    # 64 new turns of 164 tokens: no count holds them but in 16s padded to 256, so they are launched whole, packed.
+    # 64 new turns of 164 tokens: no count holds them but in 16s padded to 192, so they are launched whole, packed.
     assert continued.run(many, [164] * 64, [1200] * 64, slots) is None and pieces == []
     assert continued.run(many[:2 * 164], [164] * 2, [1200, 8100], [0, 1]) is None  # the second is past the store's
     assert pieces == [] and replays == []

@@ -17,9 +17,9 @@ log = logging.getLogger(__name__)
 # else would add a wave's launches from Python to every large wave, and for 8 or 16 follow-ups' new turns. A
 # wave whose count has a length for its prompts but whose columns pass the limits below is cut in halves that
 # fit them (64 generation prompts, one over 2,048 tokens: two graphs of 32), padded no further, rather than
-# launched from Python. The lengths between 64 and 1,024 step by at most half again, so that a new turn is padded by
-# at most half: a chat reply of 128 tokens and a question make a turn of about 160, which went to 256
-# (docs/DECISIONS.md D64).
+# launched from Python. From 128 tokens on each length is at most half again the one before, so that a new turn
+# past 128 is padded by at most half: a chat reply of 128 tokens and a question make a turn of about 160, which
+# went to 256 (docs/DECISIONS.md D64).
 _TURN_LENGTHS = (16, 64, 128, 192, 256, 384, 512, 768, 1024)
 CONTINUED_GRAPH_LENGTHS = {1: _TURN_LENGTHS, 2: _TURN_LENGTHS, 4: _TURN_LENGTHS, 8: (16, 64, 128, 192, 256),
                            16: (16, 128, 192, 256), 32: (16,), 64: (16,)}

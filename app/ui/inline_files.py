@@ -18,7 +18,7 @@ import shutil
 
 from app import limits
 from app.errors import UserError
-from app.media.files import shown_name, unsupported_file
+from app.media.files import PNG_SIGNATURE, shown_name, unsupported_file
 from app.messages import MSG_FILE_TOO_LARGE, MSG_INLINE_LINK, MSG_INLINE_NOT_A_FILE, MSG_NOT_AN_UPLOAD
 from app.ui.event_inputs import inside_folder
 
@@ -28,7 +28,7 @@ _DATA_URL = re.compile(r"data:[^,]*;base64,", re.IGNORECASE)
 _URL_SAFE = str.maketrans("-_", "+/")  # base64's URL-safe alphabet, read as well as the standard one
 # Formats by their first bytes (app.media.files.media_kind knows them by extension); RIFF, ISO media and
 # Matroska files are told apart in sniffed_extension.
-_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"GIF87a", ".gif"), (b"GIF89a", ".gif"),
+_SIGNATURES = ((PNG_SIGNATURE, ".png"), (b"\xff\xd8\xff", ".jpg"), (b"GIF87a", ".gif"), (b"GIF89a", ".gif"),
                (b"II*\x00", ".tiff"), (b"MM\x00*", ".tiff"), (b"BM", ".bmp"))
 SHOWN_CHARS = 60  # of a refused string, in its message
 
