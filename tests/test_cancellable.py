@@ -2,6 +2,7 @@
 Clear's own, whichever of the two the page applies last (docs/DECISIONS.md D62)."""
 
 import asyncio
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -56,3 +57,36 @@ def test_a_reply_still_running_after_the_clears_wait_ends_showing_nothing_more()
                                   slow_to_stop=0.5))
     assert updates[-1] == (gr.skip(), gr.skip(), gr.skip())
     assert all(update[0] for update in updates[:-1])
+
+
+def test_a_reply_whose_event_is_cancelled_between_two_steps_is_stopped():
+    """Gradio keeps a streaming event's generator, to close it on a cancel, only once a step has returned: cancelled
+    just after the first yield, the generator stayed suspended, and its reply went on in the engine. The end of the
+    event's task stops it, and its session no longer counts it as running."""
+    control, blocks = StopControl(), SimpleNamespace(limiter=None)
+    request = SimpleNamespace(session_hash="session-3")
+    stops, kept = [], []
+
+    def reply(history, settings, slow_to_stop, stop=None):
+        stops.append(stop)
+        yield from endless_reply(history, settings, slow_to_stop, stop)
+
+    run = cancellable(reply, blocks, control)
+
+    async def event():
+        updates = run(request, [{"role": "user", "content": "Go on"}], {}, 0.0)
+        kept.append(updates)  # as Gradio's cancelled step held it: never closed, never collected
+        await anext(updates)
+        await asyncio.sleep(30)  # the step's own work, after the yield, where the cancel lands
+
+    async def cancelled_after_the_first_yield():
+        task = asyncio.create_task(event())
+        while not stops or control._running.get("session-3") is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return stops[0].is_set, "session-3" in control._running
+
+    assert asyncio.run(cancelled_after_the_first_yield()) == (True, False)

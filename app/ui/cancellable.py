@@ -1,5 +1,6 @@
 """Streaming handlers that a cancel ends at once, whatever they are doing."""
 
+import asyncio
 import contextlib
 import inspect
 import threading
@@ -94,6 +95,12 @@ def cancellable(handler, blocks, control: StopControl | None = None):
     async def run(request: gr.Request, *values):
         stop, session = StopSignal(), request.session_hash
         control.started(session, stop)
+        # Gradio keeps a streaming event's generator, to close it when the event is cancelled, only once a step has
+        # returned: a cancel landing after the first yield but before that (Gradio 6.31) left it suspended there,
+        # its `finally` never run and its reply going on in the engine. The end of the event's task ends it too.
+        event = asyncio.current_task()
+        if event is not None:
+            event.add_done_callback(lambda _: (control.ended(session, stop), stop.set()))
         updates = handler(*values, stop=stop)
         try:
             while (update := await anyio.to_thread.run_sync(next, updates, _END, abandon_on_cancel=True,
