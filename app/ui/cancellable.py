@@ -97,7 +97,7 @@ def cancellable(handler, blocks, control: StopControl | None = None):
         control.started(session, stop)
         # Gradio keeps a streaming event's generator, to close it when the event is cancelled, only once a step has
         # returned: a cancel landing after the first yield but before that (Gradio 6.31) left it suspended there,
-        # its `finally` never run and its reply going on in the engine. The end of the event's task ends it too.
+        # its `finally` never run and its reply going on in the engine. The end of the event's task ends it too (D65).
         event = asyncio.current_task()
         if event is not None:
             event.add_done_callback(lambda _: (control.ended(session, stop), stop.set()))
