@@ -95,12 +95,17 @@ def cancellable(handler, blocks, control: StopControl | None = None):
     async def run(request: gr.Request, *values):
         stop, session = StopSignal(), request.session_hash
         control.started(session, stop)
+
+        def end(_event=None) -> None:
+            control.ended(session, stop)
+            stop.set()
+
         # Gradio keeps a streaming event's generator, to close it when the event is cancelled, only once a step has
         # returned: a cancel landing after the first yield but before that (Gradio 6.31) left it suspended there,
         # its `finally` never run and its reply going on in the engine. The end of the event's task ends it too (D65).
         event = asyncio.current_task()
         if event is not None:
-            event.add_done_callback(lambda _: (control.ended(session, stop), stop.set()))
+            event.add_done_callback(end)
         updates = handler(*values, stop=stop)
         try:
             while (update := await anyio.to_thread.run_sync(next, updates, _END, abandon_on_cancel=True,
@@ -110,8 +115,7 @@ def cancellable(handler, blocks, control: StopControl | None = None):
                     break
                 yield update
         finally:
-            control.ended(session, stop)
-            stop.set()
+            end()
             with contextlib.suppress(ValueError):  # still running in its thread, where the stop ends it
                 updates.close()
 
