@@ -191,3 +191,26 @@ def test_the_tiny_tokenizer_roles_and_media_ids(processor):
     config = AutoConfig.from_pretrained(ensure_tiny_checkpoint())
     assert config.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>") == processor.image_token_id
     assert config.video_token_id == tokenizer.convert_tokens_to_ids("<|video_pad|>") == processor.video_token_id
+
+
+def test_the_real_shape_tokenizer_has_the_real_ids(tmp_path):
+    """The benchmarks' checkpoint at the real shape: its vocabulary is the real config's size, filled with plain
+    words, and the added tokens come after them at the real ids (D66); saved and loaded as a checkpoint's."""
+    from transformers import AutoTokenizer
+
+    from app.model.checkpoint.random_checkpoint import ADDED_TOKENS, _build_tokenizer
+
+    config = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "minicpm-v-4.6.config.json").read_text())
+    _build_tokenizer(config["text_config"]["vocab_size"]).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == config["text_config"]["vocab_size"]
+    assert [tokenizer.added_tokens_decoder[index].content for index in sorted(tokenizer.added_tokens_decoder)] == ADDED_TOKENS
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>", "<|video_pad|>"]) == [
+        config["eos_token_id"], config["image_token_id"], config["video_token_id"]]
+    if REFERENCE.is_dir():
+        real = json.loads(reference_file("added_tokens.json").read_text(encoding="utf-8"))["added_tokens"]
+        assert {token["content"]: token["id"] for token in real} == {
+            token.content: index for index, token in tokenizer.added_tokens_decoder.items()}
+    text = "Describe the picture: a red square, 3 cats and a café."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.decode(list(range(100_000, 100_005))).startswith(" ")  # a filler decodes to a word

@@ -16,7 +16,7 @@ from pathlib import Path
 
 # Bump when what the builder writes changes, so that stale checkpoints (the tiny one, the benchmarks') are rebuilt
 # rather than reused.
-RANDOM_CHECKPOINT_VERSION = "v6"
+RANDOM_CHECKPOINT_VERSION = "v7"
 
 PROCESSOR_TOKENS = {
     "image_token": "<|image_pad|>",
@@ -65,13 +65,12 @@ def _build_tokenizer(vocab_size: int | None = None):
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(_TRAINING_TEXT * 4, trainer)
+    if vocab_size is not None and vocab_size > bpe.get_vocab_size() + len(ADDED_TOKENS):
+        bpe = _filled(bpe, vocab_size - len(ADDED_TOKENS))
+    bpe.decoder = decoders.ByteLevel()
     bpe.add_tokens([AddedToken(token, normalized=False, special=token not in NOT_SPECIAL) for token in ADDED_TOKENS])
-    if vocab_size is not None and vocab_size > bpe.get_vocab_size():
-        # Fill a large model's vocabulary, so that every id it can generate decodes to something.
-        bpe.add_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - bpe.get_vocab_size())])
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         bos_token="<|im_start|>",
@@ -80,6 +79,29 @@ def _build_tokenizer(vocab_size: int | None = None):
         unk_token="<unk>",
         extra_special_tokens=PROCESSOR_TOKENS,
     )
+
+
+def _filled(bpe, size: int):
+    """The trained BPE with its vocabulary filled to `size` words, so that every id a large model can generate
+    decodes to something, and the added tokens come after them, as the real tokenizer's do. The fillers are
+    short lowercase words, which no merge reaches; as added tokens instead, 248,000 of them took transformers
+    8-17 s to load in each process (docs/DECISIONS.md D66)."""
+    import itertools
+    import json
+    import string
+
+    from tokenizers import Tokenizer, models
+
+    trained = json.loads(bpe.to_str())["model"]
+    vocab = dict(trained["vocab"])
+    words = ("\u0120" + "".join(letters) for length in (3, 4) for letters in itertools.product(string.ascii_lowercase, repeat=length))
+    for word in words:
+        if len(vocab) == size:
+            break
+        vocab.setdefault(word, len(vocab))
+    filled = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge) for merge in trained["merges"]]))
+    filled.pre_tokenizer = bpe.pre_tokenizer
+    return filled
 
 
 TINY_TEXT_CONFIG = {
