@@ -323,22 +323,29 @@ def main() -> None:
     config = AppConfig(model=model, queue_size=max(levels) + 1, port=7899, engine_process=not args.in_process_engine,
                        web_processes=args.web_processes, front_processes=args.front_processes,
                        prepare_processes=args.prepare_processes)
+    started = time.perf_counter()
     if config.web_processes > 1:
         from app.web.server import use_upload_folder
         from app.web.processes import start_engine
 
         use_upload_folder(config)
         manager = start_engine(config)
+        engine_start = {"load_and_warm_up_s": round(time.perf_counter() - started, 1)}
     else:
         manager = (EngineProcess if config.engine_process else ModelManager)(config)
         manager.load()
+        loaded = time.perf_counter()
         manager.warm_up()
+        engine_start = {"load_s": round(loaded - started, 1), "warm_up_s": round(time.perf_counter() - loaded, 1)}
+    print(f"engine started: {json.dumps(engine_start)}", flush=True)
 
     url, web, fronts = serve(config, manager, args.mode) if args.mode != "engine" else (None, None, None)
     reports, first_user = [], 1  # every level's users are new ones: a follow-up's conversations are all different
     for name in workloads:
         reports.append(run_workload(args, name, config, manager, levels, first_user, url, web, fronts))
         first_user += sum(levels)
+    for report in reports:
+        report["engine_start"] = engine_start  # a change's cost at start (more graphs captured, a slower load)
     write_json(args.json, reports[0] if len(reports) == 1 else {"workloads": reports})
     if web:
         from app.web.processes import close_serving
