@@ -94,7 +94,8 @@ def _filled(bpe, size: int):
 
     trained = json.loads(bpe.to_str())["model"]
     vocab = dict(trained["vocab"])
-    words = ("\u0120" + "".join(letters) for length in (3, 4, 5) for letters in itertools.product(string.ascii_lowercase, repeat=length))
+    words = ("\u0120" + "".join(letters)
+             for length in (3, 4, 5) for letters in itertools.product(string.ascii_lowercase, repeat=length))
     for word in words:
         if len(vocab) == size:
             break
