@@ -85,7 +85,7 @@ def _filled(bpe, size: int):
     """The trained BPE with its vocabulary filled to `size` words, so that every id a large model can generate
     decodes to something, and the added tokens come after them, as the real tokenizer's do. The fillers are
     short lowercase words, which no merge reaches; as added tokens instead, 248,000 of them took transformers
-    8-17 s to load in each process (docs/DECISIONS.md D66)."""
+    7.5-17 s to load in each process (docs/DECISIONS.md D66)."""
     import itertools
     import json
     import string
