@@ -207,10 +207,27 @@ def test_the_real_shape_tokenizer_has_the_real_ids(tmp_path):
     assert [tokenizer.added_tokens_decoder[index].content for index in sorted(tokenizer.added_tokens_decoder)] == ADDED_TOKENS
     assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>", "<|video_pad|>"]) == [
         config["eos_token_id"], config["image_token_id"], config["video_token_id"]]
-    if REFERENCE.is_dir():
-        real = json.loads(reference_file("added_tokens.json").read_text(encoding="utf-8"))["added_tokens"]
+    if (REFERENCE / "added_tokens.json").is_file():
+        real = json.loads((REFERENCE / "added_tokens.json").read_text(encoding="utf-8"))["added_tokens"]
         assert {token["content"]: token["id"] for token in real} == {
             token.content: index for index, token in tokenizer.added_tokens_decoder.items()}
+
+
+def test_the_real_shape_tokenizer_reads_text_as_the_tiny_one_and_its_replies_back(tmp_path):
+    """The texts the tiny tokenizer was trained on, and the chat markup, tokenize as there (other text may meet a
+    filler word whole, as in a real vocabulary: " cats"); and a random model's reply, its tokens decoded, reads
+    back as the same tokens (a follow-up's last turn holds it: app.engine.conversations)."""
+    from transformers import AutoTokenizer
+
+    from app.model.checkpoint.random_checkpoint import _TRAINING_TEXT, _build_tokenizer
+
+    _build_tokenizer(248_094).save_pretrained(tmp_path)
+    tokenizer, tiny = AutoTokenizer.from_pretrained(tmp_path), _build_tokenizer()
+    markup = "<|im_start|>user\n<|image_pad|>What changed?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    for text in [*_TRAINING_TEXT, markup]:
+        assert tokenizer.tokenize(text) == tiny.tokenize(text)
     text = "Describe the picture: a red square, 3 cats and a café."
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
-    assert tokenizer.decode(list(range(100_000, 100_005))).startswith(" ")  # a filler decodes to a word
+    fillers = list(range(1_000, 248_000, 997))
+    reply = tokenizer.decode(fillers)
+    assert reply.startswith(" ") and tokenizer(reply)["input_ids"] == fillers

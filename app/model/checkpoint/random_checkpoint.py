@@ -28,9 +28,9 @@ PROCESSOR_TOKENS = {
     "image_id_start_token": "<image_id>",
     "image_id_end_token": "</image_id>",
 }
-# The real tokenizer's added tokens, in its order (ids 248044-248093 there, here just above the small
-# vocabulary). As in Qwen3's, the tool and thinking tags and the fill-in-the-middle ones are not special:
-# decoding with skip_special_tokens keeps them.
+# The real tokenizer's added tokens, in its order (ids 248044-248093 there and in a vocabulary of the real size,
+# just above the trained one in the tiny checkpoint's). As in Qwen3's, the tool and thinking tags and the
+# fill-in-the-middle ones are not special: decoding with skip_special_tokens keeps them.
 ADDED_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -84,8 +84,9 @@ def _build_tokenizer(vocab_size: int | None = None):
 def _filled(bpe, size: int):
     """The trained BPE with its vocabulary filled to `size` words, so that every id a large model can generate
     decodes to something, and the added tokens come after them, as the real tokenizer's do. The fillers are
-    short lowercase words, which no merge reaches; as added tokens instead, 248,000 of them took transformers
-    7.5-17 s to load in each process (docs/DECISIONS.md D66)."""
+    short lowercase words, which no merge reaches: a word found whole in the vocabulary is taken whole, so that
+    a reply's text tokenizes again to about as many tokens as were generated, as a real model's does. As added
+    tokens instead, 248,000 of them took transformers 7.5 s to load in each process (docs/DECISIONS.md D66)."""
     import itertools
     import json
     import string
@@ -100,7 +101,8 @@ def _filled(bpe, size: int):
         if len(vocab) == size:
             break
         vocab.setdefault(word, len(vocab))
-    filled = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge) for merge in trained["merges"]]))
+    merges = [tuple(merge) for merge in trained["merges"]]
+    filled = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
     filled.pre_tokenizer = bpe.pre_tokenizer
     return filled
 
