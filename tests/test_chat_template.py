@@ -193,16 +193,27 @@ def test_the_tiny_tokenizer_roles_and_media_ids(processor):
     assert config.video_token_id == tokenizer.convert_tokens_to_ids("<|video_pad|>") == processor.video_token_id
 
 
-def test_the_real_shape_tokenizer_has_the_real_ids(tmp_path):
-    """The benchmarks' checkpoint at the real shape: its vocabulary is the real config's size, filled with plain
-    words, and the added tokens come after them at the real ids (D66); saved and loaded as a checkpoint's."""
+BENCHMARK_CONFIG = Path(__file__).resolve().parent.parent / "benchmarks" / "minicpm-v-4.6.config.json"
+
+
+@pytest.fixture(scope="module")
+def real_shape_tokenizer(tmp_path_factory):
+    """The benchmarks' checkpoint's tokenizer at the real shape (D66), saved and loaded as a checkpoint's."""
     from transformers import AutoTokenizer
 
-    from app.model.checkpoint.random_checkpoint import ADDED_TOKENS, _build_tokenizer
+    from app.model.checkpoint.random_checkpoint import _build_tokenizer
 
-    config = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "minicpm-v-4.6.config.json").read_text())
-    _build_tokenizer(config["text_config"]["vocab_size"]).save_pretrained(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    folder = tmp_path_factory.mktemp("real-shape-tokenizer")
+    _build_tokenizer(json.loads(BENCHMARK_CONFIG.read_text())["text_config"]["vocab_size"]).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_the_real_shape_tokenizer_has_the_real_ids(real_shape_tokenizer):
+    """Its vocabulary is the real config's size, filled with plain words, and the added tokens come after them at
+    the real ids."""
+    from app.model.checkpoint.random_checkpoint import ADDED_TOKENS
+
+    config, tokenizer = json.loads(BENCHMARK_CONFIG.read_text()), real_shape_tokenizer
     assert len(tokenizer) == config["text_config"]["vocab_size"]
     assert [tokenizer.added_tokens_decoder[index].content for index in sorted(tokenizer.added_tokens_decoder)] == ADDED_TOKENS
     assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>", "<|video_pad|>"]) == [
@@ -213,16 +224,13 @@ def test_the_real_shape_tokenizer_has_the_real_ids(tmp_path):
             token.content: index for index, token in tokenizer.added_tokens_decoder.items()}
 
 
-def test_the_real_shape_tokenizer_reads_text_as_the_tiny_one_and_its_replies_back(tmp_path):
+def test_the_real_shape_tokenizer_reads_text_as_the_tiny_one_and_its_replies_back(real_shape_tokenizer):
     """The texts the tiny tokenizer was trained on, and the chat markup, tokenize as there (other text may meet a
     filler word whole, as in a real vocabulary: " cats"); and a random model's reply, its tokens decoded, reads
     back as the same tokens (a follow-up's last turn holds it: app.engine.conversations)."""
-    from transformers import AutoTokenizer
-
     from app.model.checkpoint.random_checkpoint import _TRAINING_TEXT, _build_tokenizer
 
-    _build_tokenizer(248_094).save_pretrained(tmp_path)
-    tokenizer, tiny = AutoTokenizer.from_pretrained(tmp_path), _build_tokenizer()
+    tokenizer, tiny = real_shape_tokenizer, _build_tokenizer()
     markup = "<|im_start|>user\n<|image_pad|>What changed?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     for text in [*_TRAINING_TEXT, markup]:
         assert tokenizer.tokenize(text) == tiny.tokenize(text)
