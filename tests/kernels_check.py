@@ -131,12 +131,12 @@ def main() -> None:
     # of their slots' columns, one with 3 new tokens (whole blocks of it padding, which the kernel leaves at zero),
     # the last reaching the store's last column. What lies past each prompt's places is NaN, so that a read
     # there shows; so is the output at first, so that a place left unwritten shows.
-    length, width = 40, 4
+    length = 40
     slots, starts, lengths = (torch.tensor(v, device=DEVICE) for v in ([4, 0, 2, 1], [0, 20, 100, 260], [17, 3, 40, 40]))
     prompts = slots.shape[0]
     for heads in (4, 6):  # 2 and 3 query heads a key head: 3 divides no block of rows
         query = random(prompts * length, heads, head_dim)
-        rows = ContinuedRows.padded(lengths, starts, slots, length, width, capacity)
+        rows = ContinuedRows.padded(lengths, starts, slots, length, capacity)
         reference = prefill_attention.padded(query, keys, values, rows, heads, kv_heads, head_dim, 0.125)
         held_keys, held_values = keys.clone(), values.clone()
         for slot, end in zip(slots.tolist(), (starts + length).tolist()):
@@ -149,6 +149,35 @@ def main() -> None:
                   atol=1e-5 if DEVICE == "cpu" else 1e-2)
             assert torch.isfinite(ours).all(), "continued_attention left a padding place unwritten"
     checked.append("continued_attention")
+
+    # A continued prefill's convolution and stepped delta rule, prompts padded at their end to 6 places in slots of a
+    # larger store, one with fewer new tokens than the window (its new state partly the kept one), one whole. The
+    # other slots' states must stay as they were.
+    slots, lengths = torch.tensor([3, 0, 1], device=DEVICE), torch.tensor([2, 6, 5], device=DEVICE)
+    length, prompts = 6, 3
+    real = (torch.arange(length, device=DEVICE) < lengths[:, None]).flatten()
+    for width in (3, 4):
+        projection, conv_weight = random(prompts * length, channels + 40), random(channels, width)
+        state = random(5, channels, width)
+        reference_state = state.clone()
+        ours = prefill_kernels.continued_conv(projection, channels, state, slots, lengths, conv_weight)
+        reference = text_ops.continued_conv(projection, channels, reference_state, slots, lengths, conv_weight)
+        close(ours[real], reference[real], f"continued_conv {width}")
+        close(state, reference_state, f"continued_conv state {width}")
+    checked.append("continued_conv")
+
+    qkv = random(prompts * length, 2 * key_heads * k_dim + value_heads * v_dim)
+    projection = random(prompts * length, 20)
+    projection[4, 12] = 30.0  # a decay input past softplus' threshold
+    state = random(5, value_heads, k_dim, v_dim)
+    given_state, reference_state = state.clone(), state.clone()
+    ours = prefill_kernels.continued_delta_steps(qkv, projection, 4, 12, a_log, dt_bias, state, slots, lengths, key_heads)
+    reference = text_ops.continued_delta_steps(qkv, projection, 4, 12, a_log, dt_bias, reference_state, slots, lengths,
+                                               key_heads)
+    close(ours[real], reference[real], "continued_delta_steps")
+    close(state, reference_state, "continued_delta_steps state")
+    assert torch.equal(state[[2, 4]], given_state[[2, 4]]), "continued_delta_steps wrote another slot's state"
+    checked.append("continued_delta_steps")
 
     # The vision tower's: a width off the block size; windows of four tokens, a head size off the block.
     x, residual, weight, bias = random(n, 40), random(n, 40), random(40), random(40)

@@ -53,7 +53,7 @@ def main() -> None:
         slots = torch.randperm(64, device="cuda", generator=generator)[:prompts]
         starts = torch.randint(shortest, longest + 1, (prompts,), device="cuda", generator=generator)
         lengths = torch.full((prompts,), real, device="cuda")
-        rows = ContinuedRows.padded(lengths, starts, slots, length, 4, COLUMNS)
+        rows = ContinuedRows.padded(lengths, starts, slots, length, COLUMNS)
         exact = prefill_attention.padded(query.float(), keys.float(), values.float(), rows, HEADS, KV_HEADS, D, scale)
         timings = {"pytorch": lambda: prefill_attention.padded(query, keys, values, rows, HEADS, KV_HEADS, D, scale)}
         timings.update({layout: (lambda layout=layout: prefill_kernels.continued_attention(

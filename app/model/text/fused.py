@@ -142,6 +142,11 @@ def padded_output_weight(lm_head: torch.nn.Linear, multiple: int) -> torch.Tenso
     return padded
 
 
+# A captured continued prefill of at most this many places a prompt (a generation prompt's graphs: 16) runs the delta
+# rule a token at a time in one kernel a layer; longer ones through the chunked kernels (docs/DECISIONS.md D67).
+STEPPED_DELTA_RULE_TOKENS = 16
+
+
 def _norm_weight(norm) -> torch.Tensor:
     """The model's zero-centred RMSNorm scale (1 + w) in fp32."""
     return 1.0 + norm.weight.detach().float()
@@ -187,6 +192,8 @@ class _DeltaNetLayer:
         """prefill for prompts that go on from their slots' states: the convolution reads each slot's kept
         inputs before the new ones, and the delta rule starts from each slot's recurrent state."""
         projection = text_ops.linear(hidden, self.in_weight)
+        if rows.prompt_lengths is not None:
+            return self._prefill_continued_padded(projection, store, rows)
         conv_state = store.conv[self.index].index_select(0, rows.prompt_slots).transpose(1, 2)  # [prompts, width, channels]
         inputs = projection.new_empty((rows.conv_places.shape[0], self.channels))
         inputs[rows.conv_state_rows] = conv_state.reshape(-1, self.channels).to(inputs.dtype)
@@ -195,6 +202,20 @@ class _DeltaNetLayer:
         store.conv[self.index].index_copy_(0, rows.prompt_slots, inputs[rows.conv_tail_rows].transpose(1, 2).to(conv_state.dtype))
         return self._delta_rule(projection, qkv, store, rows, store.recurrent[self.index].index_select(0, rows.prompt_slots),
                                 rows.real)
+
+    def _prefill_continued_padded(self, projection, store, rows: ContinuedRows):
+        """prefill_continued for prompts padded at their end (a captured graph's rows), each layer's states read
+        and moved on in place in their slots: a few kernels a layer where the packed layout's gathers and scatters
+        take about twenty (docs/DECISIONS.md D67)."""
+        qkv = text_ops.continued_conv(projection, self.channels, store.conv[self.index], rows.prompt_slots,
+                                      rows.prompt_lengths, self.conv_weight)
+        recurrent = store.recurrent[self.index]
+        if rows.lengths[0] > STEPPED_DELTA_RULE_TOKENS:
+            return self._delta_rule(projection, qkv, store, rows, recurrent.index_select(0, rows.prompt_slots), rows.real)
+        attended = text_ops.continued_delta_steps(qkv, projection, self.beta_column, self.decay_column, self.a_log,
+                                                  self.dt_bias, recurrent, rows.prompt_slots, rows.prompt_lengths,
+                                                  self.key_heads)
+        return self._out(attended, projection)
 
     def _delta_rule(self, projection, qkv, store, rows, initial_state=None, real=None):
         """The gated delta rule over a prefill's convolved queries, keys and values, each prompt from a zero
@@ -338,7 +359,7 @@ class FusedTextModel:
         hidden], no row reaching past each slot's first `columns` columns; lengths, starts and slots on the
         device (what app.model.continued_graphs captures)."""
         length = embeddings.shape[0] // lengths.shape[0]
-        rows = ContinuedRows.padded(lengths, starts, slots, length, self.conv_width, columns)
+        rows = ContinuedRows.padded(lengths, starts, slots, length, columns)
         return self._prefill(embeddings, rows, "prefill_continued")
 
     def _prefill(self, embeddings: torch.Tensor, rows, step: str = "prefill") -> torch.Tensor:

@@ -136,6 +136,51 @@ def _flash_linear_attention():
     return chunk_gated_delta_rule
 
 
+def continued_conv(projection: torch.Tensor, channels: int, state: torch.Tensor, slots: torch.Tensor,
+                   lengths: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """packed_conv for prompts padded at their end to one length (a captured continued prefill's rows:
+    app.model.text.rows.ContinuedRows.padded), each going on from the inputs its slot's convolution state holds:
+    prompt i's rows are the i-th `length` of `projection`, its first `lengths[i]` real. `state` [slots, channels,
+    width] is the whole store's; slot `slots[i]`'s moves on past prompt i's real inputs, in place. Returns [rows,
+    channels]; a padding row's output is never read."""
+    if _kernels_for(projection) is not None:
+        from app.model.text import prefill_kernels
+
+        return prefill_kernels.continued_conv(projection, channels, state, slots, lengths, weight)
+    prompts, width = slots.shape[0], weight.shape[1]
+    length = projection.shape[0] // prompts
+    kept = state.index_select(0, slots).transpose(1, 2).to(projection.dtype)  # [prompts, width, channels]
+    inputs = torch.cat([kept, projection[:, :channels].reshape(prompts, length, channels)], dim=1)
+    computed = inputs.to(weight.dtype)
+    convolved = sum(computed[:, 1 + tap:1 + tap + length] * weight[:, tap] for tap in range(width))
+    last = (lengths[:, None] + torch.arange(width, device=lengths.device))[..., None].expand(-1, -1, channels)
+    state.index_copy_(0, slots, inputs.gather(1, last).transpose(1, 2).to(state.dtype))
+    return F.silu(convolved).to(projection.dtype).reshape(prompts * length, channels)
+
+
+def continued_delta_steps(qkv: torch.Tensor, projection: torch.Tensor, beta_column: int, decay_column: int,
+                          a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                          lengths: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """gated_delta_step at each place in turn, for prompts laid out as continued_conv's, each from its slot's
+    recurrent state in `state` [slots, value_heads, K, V] (fp32, the whole store's), which moves on past the
+    prompt's real tokens in place. For a few tokens a prompt (a generation prompt) in place of chunk_delta_rule,
+    whose kernels are many small launches there (docs/DECISIONS.md D67). Returns [rows, value_heads * V]; a
+    padding row's output is never read."""
+    if _kernels_for(qkv) is not None:
+        from app.model.text import prefill_kernels
+
+        return prefill_kernels.continued_delta_steps(qkv, projection, beta_column, decay_column, a_log, dt_bias, state,
+                                                     slots, lengths, key_heads)
+    prompts = slots.shape[0]
+    length = qkv.shape[0] // prompts
+    held = state.index_select(0, slots)
+    places = torch.arange(prompts, device=qkv.device) * length
+    outputs = [gated_delta_step(qkv[places + place], projection[places + place], beta_column, decay_column, a_log,
+                                dt_bias, held, key_heads, (place < lengths).long()) for place in range(length)]
+    state.index_copy_(0, slots, held)
+    return torch.stack(outputs, dim=1).reshape(prompts * length, -1)
+
+
 def delta_gates(projection: torch.Tensor, beta_column: int, decay_column: int, value_heads: int,
                 a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule's betas (in the projection's dtype) and decays (log space, fp32) [rows,

@@ -174,8 +174,8 @@ class ContinuedRows:
     and rotary position is its place in the whole conversation (plain token counts: prompts with canvas positions never go on this way).
 
     The DeltaNet convolution reads each prompt's kept inputs (the slot's convolution state, `width` rows)
-    before its new ones: `conv_*` lay that input out, block after block, and say where the new state's
-    rows are (the last `width` of each block)."""
+    before its new ones: packed, `conv_*` lay that input out, block after block, and say where the new state's
+    rows are (the last `width` of each block); padded, the kernels read the slots' states in place and need none."""
 
     slots: torch.Tensor
     columns: torch.Tensor
@@ -185,10 +185,10 @@ class ContinuedRows:
     bounds: torch.Tensor
     device_bounds: torch.Tensor
     last_rows: torch.Tensor
-    conv_state_rows: torch.Tensor
-    conv_token_rows: torch.Tensor
-    conv_places: torch.Tensor
-    conv_tail_rows: torch.Tensor
+    conv_state_rows: torch.Tensor | None
+    conv_token_rows: torch.Tensor | None
+    conv_places: torch.Tensor | None
+    conv_tail_rows: torch.Tensor | None
     # Laid out for a captured graph instead (padded): `sequences` prompts of one length each, their tokens
     # first, then padding, which leaves every state as it is (`real` rows, masked where it would not), and
     # attention over each prompt's slot up to each row's column (app.model.text.prefill_attention.continued:
@@ -202,7 +202,7 @@ class ContinuedRows:
 
     @classmethod
     def padded(cls, lengths: torch.Tensor, starts: torch.Tensor, prompt_slots: torch.Tensor, length: int,
-               width: int, columns: int) -> "ContinuedRows":
+               columns: int) -> "ContinuedRows":
         """Prompt i's `lengths[i]` new tokens after slot prompt_slots[i]'s `starts[i]`, then padding up to
         `length` rows; `sees` masks the slot's first `columns` columns (PyTorch's version of the attention
         reads them all; the kernel reads each row's own). Padding rows write their keys at the columns after
@@ -210,13 +210,9 @@ class ContinuedRows:
         sequences, device = lengths.shape[0], lengths.device
         place = torch.arange(length, device=device)
         column = (starts[:, None] + place).flatten()
-        block = torch.arange(sequences, device=device)[:, None] * (width + length)
-        tails = block + lengths[:, None] + torch.arange(width, device=device)
         sees = torch.arange(columns, device=device)[None, None, :] <= (starts[:, None] + place)[:, :, None]
         return cls(prompt_slots.repeat_interleave(length), column, column, [length] * sequences, prompt_slots, None, None,
-                   torch.arange(sequences, device=device) * length + lengths - 1,
-                   (block + torch.arange(width, device=device)).flatten(), (block + width + place).flatten(),
-                   torch.arange(width + length, device=device).repeat(sequences), tails, sequences,
+                   torch.arange(sequences, device=device) * length + lengths - 1, None, None, None, None, sequences,
                    (place < lengths[:, None]).flatten(), sees, starts, lengths)
 
     @classmethod
