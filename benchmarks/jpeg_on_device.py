@@ -48,7 +48,8 @@ def pixel_check(checkpoint: str, paths: dict[str, str], runs: int) -> dict:
     processor (bit for bit expected); and the GPU path's decode and slice times (CUDA events, medians)."""
     import torch
 
-    from app.engine.inputs import load_processor, prepare_inputs
+    from app.engine.inputs import prepare_inputs
+    from app.engine.processor import load_processor
     from app.engine.jpegs_on_device import DEFERRED_IMAGES
     from app.engine.settings import GenerationSettings
     from app.media.images import load_image_pixels

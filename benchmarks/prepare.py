@@ -5,9 +5,11 @@ app loads (patches cut by a reshape, slices kept in uint8, given the decoded ten
 through one worker process (app.engine.preparers, as on a GPU box: the hop and the pixels' way back included);
 the decoding of the PNG alone is timed apart (the app's decoders: OpenCV on a thread, and in a preparing worker
 process libspng with the rows inflated by libdeflate (D58); libspng inflating them itself, as before; PIL), and
-the same pixels as a JPEG. `MINICPMV_PREPARER_HELD_MEMORY_MB=0` runs the worker as before D54. Only the
-processor's configuration matters here, so the tiny checkpoint (same image and video processors as the real
-one) stands in:
+the same pixels as a JPEG. `MINICPMV_PREPARER_HELD_MEMORY_MB=0` runs the worker as before D54. Then the video-16
+workload's video (16 frames sampled from a 16 s 640x360 clip): through the app's processor (uint8 frames, D68), with
+its frames normalized in float32 as the processor as shipped does (the app's before D68), and through a worker
+process. Only the processor's configuration matters here, so the tiny checkpoint (same image and video processors
+as the real one) stands in:
 
     python benchmarks/prepare.py --runs 9 --json prepare.json
 """
@@ -36,7 +38,8 @@ def main() -> None:
     import torch
     from transformers import AutoProcessor
 
-    from app.engine.inputs import load_processor, prepare_inputs
+    from app.engine.inputs import prepare_inputs
+    from app.engine.processor import load_processor
     from app.engine.preparers import ProcessPreparer
     from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
     from app.engine.settings import GenerationSettings
@@ -63,7 +66,16 @@ def main() -> None:
     row["decode_jpeg_ms"] = round(timed(lambda: None, lambda: load_image_pixels(jpeg), args.runs)[0], 1)
     row["app_jpeg_ms"] = round(timed(lambda: None, lambda: prepare_inputs(processor, jpeg_messages, settings, 32768,
                                                                           pixel_dtype=torch.bfloat16), args.runs)[0], 1)
+    video_messages, video_settings = video_request()
+    prepare_video = lambda with_processor: lambda: prepare_inputs(  # noqa: E731
+        with_processor, video_messages, video_settings, 32768, pixel_dtype=torch.bfloat16)
+    row["video_app_ms"] = round(timed(lambda: None, prepare_video(processor), args.runs)[0], 1)
+    normalizing = load_processor(folder, False)
+    normalizing.video_processor.do_rescale = normalizing.video_processor.do_normalize = True
+    row["video_normalized_in_float_ms"] = round(timed(lambda: None, prepare_video(normalizing), args.runs)[0], 1)
     worker = ProcessPreparer(folder, False, 1, torch.bfloat16)
+    row["video_app_in_a_worker_process_ms"] = round(timed(
+        lambda: None, lambda: worker.prepare(video_messages, video_settings, 32768), args.runs)[0], 1)
     row["app_in_a_worker_process_ms"] = round(timed(lambda: None, lambda: worker.prepare(messages, settings, 32768), args.runs)[0], 1)
     # As on a GPU box (JPEG_ON_DEVICE): the engine slices the image, the worker decodes it.
     gpu_path = lambda: worker.prepare(messages, settings, 32768, jpegs_on_device=True)  # noqa: E731
@@ -71,6 +83,15 @@ def main() -> None:
     worker.close()
     print(json.dumps(row), flush=True)
     write_json(args.json, row)
+
+
+def video_request():
+    """The video-16 workload's request and settings (benchmarks/workloads.py)."""
+    from app.engine.settings import GenerationSettings
+    from benchmarks.workloads import VIDEO_QUESTION, VIDEO_SETTINGS, make_video, user_turn
+
+    return [user_turn({"type": "video", "path": make_video()}, VIDEO_QUESTION)], \
+        GenerationSettings(max_new_tokens=128, **VIDEO_SETTINGS)
 
 
 def libspng_alone(path: str):

@@ -150,25 +150,34 @@ def main() -> None:
             assert torch.isfinite(ours).all(), "continued_attention left a padding place unwritten"
     checked.append("continued_attention")
 
-    # A continued prefill's convolution and stepped delta rule, prompts padded at their end to 6 places in slots of a
-    # larger store, one with fewer new tokens than the window (its new state partly the kept one), one whole. The
-    # other slots' states must stay as they were.
-    slots, lengths = torch.tensor([3, 0, 1], device=DEVICE), torch.tensor([2, 6, 5], device=DEVICE)
-    length, prompts = 6, 3
-    real = (torch.arange(length, device=DEVICE) < lengths[:, None]).flatten()
-    for width in (3, 4):
-        projection, conv_weight = random(prompts * length, channels + 40), random(channels, width)
-        state = random(5, channels, width)
-        reference_state = state.clone()
-        ours = prefill_kernels.continued_conv(projection, channels, state, slots, lengths, conv_weight)
-        reference = text_ops.continued_conv(projection, channels, reference_state, slots, lengths, conv_weight)
-        close(ours[real], reference[real], f"continued_conv {width}")
-        close(state, reference_state, f"continued_conv state {width}")
+    # A continued prefill's convolution and stepped delta rule, prompts padded at their end in slots of a larger
+    # store, one with fewer new tokens than the window (its new state partly the kept one), one whole; at a length
+    # within one block of places and at one over three (the convolution's loop), in fp32 and bf16. The other
+    # slots' states must stay as they were.
+    slots = torch.tensor([3, 0, 1], device=DEVICE)
+    for length, real_lengths in ((6, [2, 6, 5]), (40, [1, 40, 23])):
+        lengths, prompts = torch.tensor(real_lengths, device=DEVICE), 3
+        real = (torch.arange(length, device=DEVICE) < lengths[:, None]).flatten()
+        for width, dtype in ((3, torch.float32), (4, torch.float32), (4, torch.bfloat16)):
+            projection, conv_weight = random(prompts * length, channels + 40, dtype=dtype), random(channels, width, dtype=dtype)
+            state = random(5, channels, width, dtype=dtype)
+            reference_state = state.clone().float()  # bf16 against fp32 arithmetic on the same values, rounded once
+            ours = prefill_kernels.continued_conv(projection, channels, state, slots, lengths, conv_weight)
+            reference = text_ops.continued_conv(projection.float(), channels, reference_state, slots, lengths,
+                                                conv_weight.float()).to(dtype)
+            torch.testing.assert_close(ours[real], reference[real], rtol=1e-4 if dtype == torch.float32 else 2 ** -7,
+                                       atol=1e-5, msg=lambda message: f"continued_conv {length} {width} {dtype}: {message}")
+            assert torch.equal(state, reference_state.to(dtype)), f"continued_conv state {length} {width} {dtype}"
     checked.append("continued_conv")
 
+    # Head sizes off powers of two and off the value block, so that the masks matter; a decay input past softplus'
+    # threshold on a real place.
+    key_heads, value_heads, k_dim, v_dim = 2, 4, 24, 20
+    lengths, length, prompts = torch.tensor([2, 6, 5], device=DEVICE), 6, 3
+    real = (torch.arange(length, device=DEVICE) < lengths[:, None]).flatten()
     qkv = random(prompts * length, 2 * key_heads * k_dim + value_heads * v_dim)
-    projection = random(prompts * length, 20)
-    projection[4, 12] = 30.0  # a decay input past softplus' threshold
+    projection, a_log, dt_bias = random(prompts * length, 20), random(value_heads), random(value_heads)
+    projection[6, 12] = 30.0
     state = random(5, value_heads, k_dim, v_dim)
     given_state, reference_state = state.clone(), state.clone()
     ours = prefill_kernels.continued_delta_steps(qkv, projection, 4, 12, a_log, dt_bias, state, slots, lengths, key_heads)

@@ -24,7 +24,7 @@ def reference_file(name: str) -> Path:
 @pytest.fixture(scope="module")
 def processor():
     """The tiny checkpoint's processor, loaded as the app loads every checkpoint's."""
-    from app.engine.inputs import load_processor
+    from app.engine.processor import load_processor
     from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
 
     return load_processor(ensure_tiny_checkpoint(), trust_remote_code=False)

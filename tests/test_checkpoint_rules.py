@@ -11,7 +11,8 @@ import torch
 from app import limits
 from app.config import AppConfig
 from app.engine.core import ModelManager
-from app.engine.inputs import load_processor, prepare_inputs, thinks_by_default
+from app.engine.inputs import prepare_inputs, thinks_by_default
+from app.engine.processor import load_processor
 from app.engine.openai_backend import OpenAIEngine
 from app.engine.settings import GenerationSettings
 from app.errors import UserError

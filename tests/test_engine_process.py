@@ -65,7 +65,8 @@ def test_every_preparing_worker_is_started_and_ready_with_the_preparer(tmp_path)
     """Not started one by one as requests find none idle (some were still importing as users came)."""
     import torch
 
-    from app.engine.inputs import load_processor, prepare_inputs
+    from app.engine.inputs import prepare_inputs
+    from app.engine.processor import load_processor
     from app.engine.preparers import ProcessPreparer
     from app.model.checkpoint.random_checkpoint import ensure_tiny_checkpoint
 

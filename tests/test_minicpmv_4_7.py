@@ -3,7 +3,7 @@
 import pytest
 
 from app.config import AppConfig
-from app.engine.inputs import normalized_pixels
+from app.engine.processor import normalized_pixels
 from app.engine.core import ModelManager
 from app.engine.replies import TextAssembler
 from app.model.checkpoint.presets import find_preset
@@ -57,8 +57,11 @@ def test_replies_match_transformers_generate(manager_4_7, folder, conversations)
     settings = greedy(REPLY_TOKENS)
     for key, messages in conversations.items():
         inputs = dict(manager_4_7.prepare(messages, settings).tensors)
-        if "pixel_normalization" in inputs:  # the app's processor leaves images in uint8 for the engine
-            inputs["pixel_values"] = normalized_pixels(inputs["pixel_values"], inputs.pop("pixel_normalization"))
+        # The app's processor leaves images and videos in uint8 for the engine.
+        for key, normalization in (("pixel_values", "pixel_normalization"),
+                                   ("pixel_values_videos", "video_pixel_normalization")):
+            if normalization in inputs:
+                inputs[key] = normalized_pixels(inputs[key], inputs.pop(normalization))
         generated = reference.generate(**inputs, max_new_tokens=REPLY_TOKENS, min_new_tokens=REPLY_TOKENS,
                                      do_sample=False)
         expected = TextAssembler(manager_4_7.processor.tokenizer)

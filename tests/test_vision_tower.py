@@ -8,7 +8,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from app.model.vision import tower as vision_tower
 from app.model.vision.fused import FusedVisionTower
 from app.model.runner import BatchRunner
-from app.engine.inputs import load_processor, normalized_pixels, prepare_inputs
+from app.engine.inputs import prepare_inputs
+from app.engine.processor import load_processor, normalized_pixels
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 from app.engine.settings import GenerationSettings
 from tests.conftest import make_image, make_video
@@ -39,22 +40,24 @@ def test_grouped_attention_equals_one_call_per_slice(monkeypatch):
         torch.testing.assert_close(grouped, per_slice_attention(query, key, value, lengths, 0.3), rtol=0, atol=1e-6)
 
 
-def test_images_come_in_uint8_and_the_engine_normalizes_them(manager, tmp_path):
-    """The app's processor leaves images unnormalized (uint8, a quarter of float32's bytes); the runner's
-    normalization on its device gives what the processor as shipped gives, bit for bit, in the tower's
-    dtype. A video's pixels come in the tower's dtype."""
+def test_images_and_videos_come_in_uint8_and_the_engine_normalizes_them(manager, tmp_path):
+    """The app's processor leaves images' and videos' pixels unnormalized (uint8, a quarter of float32's bytes);
+    the runner's normalization on its device gives what the processor as shipped gives, bit for bit, in the
+    tower's dtype."""
     image = make_image(tmp_path, "p.png", (1000, 700))
-    messages = [{"role": "user", "content": [{"type": "image", "path": image}, {"type": "text", "text": "What is this?"}]}]
+    video = make_video(tmp_path, seconds=2, fps=4)
     settings = GenerationSettings(max_new_tokens=8)
-    sent = prepare_inputs(manager.processor, messages, settings, 4096, pixel_dtype=torch.bfloat16).tensors
-    assert sent["pixel_values"].dtype == torch.uint8
     shipped = AutoProcessor.from_pretrained(manager.source.path)
-    expected = prepare_inputs(shipped, messages, settings, 4096).tensors["pixel_values"]
     runner = manager.runner
-    assert torch.equal(runner._image_pixels(sent), expected[0].to(runner.pixel_dtype))
-    video = [{"role": "user", "content": [{"type": "video", "path": make_video(tmp_path, seconds=2, fps=4)}]}]
-    assert prepare_inputs(manager.processor, video, settings, 4096,
-                          pixel_dtype=torch.bfloat16).tensors["pixel_values_videos"].dtype == torch.bfloat16
+    for media, key, normalization in (({"type": "image", "path": image}, "pixel_values", "pixel_normalization"),
+                                      ({"type": "video", "path": video}, "pixel_values_videos",
+                                       "video_pixel_normalization")):
+        messages = [{"role": "user", "content": [media, {"type": "text", "text": "What is this?"}]}]
+        sent = prepare_inputs(manager.processor, messages, settings, 4096, pixel_dtype=torch.bfloat16).tensors
+        assert sent[key].dtype == torch.uint8, key
+        expected = prepare_inputs(shipped, messages, settings, 4096).tensors[key]
+        assert expected.dtype == torch.float32
+        assert torch.equal(runner._pixels(sent[key], sent[normalization]), expected.to(runner.pixel_dtype)), key
 
 
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_CONFIG_4_7], ids=["4.6", "4.7"])
@@ -74,9 +77,12 @@ def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
         for messages in requests:
             expected = prepare_inputs(shipped, messages, settings, 8192).tensors
             got = prepare_inputs(ours, messages, settings, 8192).tensors
-            if "pixel_normalization" in got:  # images come unnormalized (uint8): normalized as the engine does
-                assert got["pixel_values"].dtype == torch.uint8
-                got["pixel_values"] = normalized_pixels(got["pixel_values"], got.pop("pixel_normalization"))
+            # Images and videos come unnormalized (uint8): normalized as the engine does.
+            for key, normalization in (("pixel_values", "pixel_normalization"),
+                                       ("pixel_values_videos", "video_pixel_normalization")):
+                if normalization in got:
+                    assert got[key].dtype == torch.uint8
+                    got[key] = normalized_pixels(got[key], got.pop(normalization))
             assert expected.keys() == got.keys()
             for key, value in expected.items():
                 assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key

@@ -77,7 +77,7 @@ def deferred_images(paths: list[str], loaded: list, slicings: tuple[ImageSlicing
 
 def defers_jpegs(processor) -> bool:
     """Whether the engine can make this processor's pixels from a JPEG: MiniCPM-V 4.6's image processor
-    leaving uint8 slices (app.engine.inputs._leave_images_unnormalized), resized bicubic, which is the
+    leaving uint8 slices (app.engine.processor._leave_images_unnormalized), resized bicubic, which is the
     resampling app.model.jpegs mirrors."""
     from transformers.image_utils import PILImageResampling
 
@@ -95,7 +95,7 @@ def stand_in_images(count: int) -> list:
 class PlannedSlices:
     """The image processor, as the processor calls it, for a request whose pixels the engine makes: each
     image's view sizes (in patches), grid and view count from the slice plan, as the app's processor
-    returns them (app.engine.inputs._uint8_slices), and no pixels. Everything else is the image
+    returns them (app.engine.processor._uint8_slices), and no pixels. Everything else is the image
     processor's own."""
 
     def __init__(self, image_processor, slicings: tuple[ImageSlicing, ...]):

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from multiprocessing import get_context, parent_process
 
 from app import tuning
-from app.engine.inputs import PreparedInputs, load_processor, prepare_inputs
+from app.engine.inputs import PreparedInputs, prepare_inputs
+from app.engine.processor import load_processor
 from app.engine.settings import GenerationSettings
 from app.errors import UserError
 from app.messages import MSG_PREPARER_LOST

@@ -1,5 +1,5 @@
 """Images resized and cut into slices on the engine's GPU, JPEGs decoded there too: the uint8 slices the app's
-processor makes on a CPU core (app.engine.inputs._uint8_slices), laid out the same, for a request a preparer
+processor makes on a CPU core (app.engine.processor._uint8_slices), laid out the same, for a request a preparer
 left them to (app.engine.jpegs_on_device). docs/DECISIONS.md D43.
 
 Decoding is nvJPEG's, through torchvision; other images come decoded by their preparer. The resize is the
@@ -20,7 +20,7 @@ import os
 import numpy
 import torch
 
-from app.engine.inputs import image_patches
+from app.engine.processor import image_patches
 from app.engine.jpegs_on_device import DeferredImages
 from app.errors import UserError
 from app.media.budget import ImageSlicing

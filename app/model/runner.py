@@ -29,7 +29,8 @@ from app.model.uncaptured import EagerDecode
 from app.model.streams import MediaEncoding, NoStaging, OneStream, PixelStaging, SideStreams, StagedPixels
 from app.model.batch_cache import SlotStore
 from app.model.sampling import Choice, choose
-from app.engine.inputs import PIXEL_KEYS, normalized_pixels
+from app.engine.inputs import PIXEL_KEYS
+from app.engine.processor import normalized_pixels
 from app.engine.jpegs_on_device import DECODED_PIXELS, DEFERRED_IMAGES
 from app.model.jpegs import jpegs_for
 from app.model.transfers import on_device
@@ -114,27 +115,28 @@ class BatchRunner:
         for index, (tensors, mode) in enumerate(batch):
             if tensors.get("pixel_values_videos") is not None:
                 # Frames packed one after another, as the model's get_video_features packs them.
-                frames = self._on_device(tensors["pixel_values_videos"])
+                frames = self._pixels(tensors["pixel_values_videos"], tensors.get("video_pixel_normalization"))
                 sizes = tensors["target_sizes_videos"].repeat(frames.shape[0], 1)
                 features[index] = torch.cat(self._slice_features(frames.permute(1, 2, 0, 3).flatten(2), sizes, mode))
             elif tensors.get("pixel_values") is not None:
                 by_mode.setdefault(mode, []).append(index)
         for mode, indices in by_mode.items():
             # Joined on the GPU: a wave's pixels are hundreds of MB, too many to copy once more on the CPU.
-            pixels = torch.cat([self._image_pixels(batch[i][0]) for i in indices], dim=-1)
+            pixels = torch.cat([self._pixels(batch[i][0]["pixel_values"], batch[i][0].get("pixel_normalization"))[0]
+                                for i in indices], dim=-1)
             sizes = [batch[i][0]["target_sizes"] for i in indices]
             per_slice = iter(self._slice_features(pixels, torch.cat(sizes), mode))
             for index, request_sizes in zip(indices, sizes):
                 features[index] = torch.cat([next(per_slice) for _ in range(len(request_sizes))])
         return features
 
-    def _image_pixels(self, tensors: dict) -> torch.Tensor:
-        """A request's image slices [channels, patch, tokens * patch] on the device, as the tower takes
-        them: the app's processor leaves them in uint8, to be normalized here (app.engine.inputs)."""
-        pixels = self._on_device(tensors["pixel_values"])[0]
+    def _pixels(self, pixels, normalization: torch.Tensor | None) -> torch.Tensor:
+        """A request's image slices [1, channels, patch, tokens * patch] or video frames on the device, as the tower
+        takes them: the app's processor leaves them in uint8, to be normalized here by `normalization`
+        (app.engine.processor)."""
+        pixels = self._on_device(pixels)
         if pixels.is_floating_point():
             return pixels
-        normalization = tensors["pixel_normalization"]
         key = tuple(normalization.flatten().tolist())
         if key not in self._normalizations:  # constant per processor: copied once
             self._normalizations[key] = normalization.to(self.device)

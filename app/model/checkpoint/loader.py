@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 from app.messages import MSG_MODEL_TYPE_NOT_SERVED, MSG_MODEL_UNAVAILABLE, MSG_TRANSFORMERS_TOO_OLD
 from app.config import TINY_RANDOM
-from app.engine.inputs import load_processor
+from app.engine.processor import load_processor
 from app.model.checkpoint.presets import FIRST_TRANSFORMERS, SERVED_MODEL_TYPES, UNSERVED_MODEL_TYPES
 from app.model.checkpoint.quantized import complete_quantization_config, load_in_4bit_config
 from app.errors import ModelUnavailable, UserError
