@@ -4,6 +4,7 @@ on its device (`normalized_pixels`). app.engine.inputs runs it on a conversation
 
 import functools
 
+
 def load_processor(path: str, trust_remote_code: bool):
     """The checkpoint's processor (tokenizer, chat template, image and video processors), patches cut
     fast, images and videos left unnormalized."""
@@ -24,22 +25,11 @@ def _leave_images_unnormalized(processor) -> None:
     thirds of the processor's time for a 1344x1344 image; uint8 pixels are also half of bf16's bytes
     on their way to the engine and the GPU. For MiniCPM-V 4.6's image processor (4.7 uses it too)
     when it rescales and normalizes, as its checkpoints do."""
-    import torch
-
     image_processor = getattr(processor, "image_processor", None)
-    if getattr(image_processor, "reshape_by_patch", None) is not image_patches:
+    normalization = _normalization_turned_off(image_processor, image_patches, "image")
+    if normalization is None:
         return
-    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
-
-    if type(image_processor)._preprocess is not MiniCPMV4_6ImageProcessor._preprocess:
-        return
-    if not (image_processor.do_rescale and image_processor.do_normalize and image_processor.do_resize):
-        return
-    # Rescaling and normalizing fused as transformers' torch processors fuse them, in float32.
-    factor = 1.0 / image_processor.rescale_factor
-    processor.pixel_normalization = torch.stack([torch.tensor(image_processor.image_mean) * factor,
-                                                 torch.tensor(image_processor.image_std) * factor])
-    image_processor.do_rescale = image_processor.do_normalize = False
+    processor.pixel_normalization = normalization
     image_processor._preprocess = functools.partial(_uint8_slices, image_processor)
 
 
@@ -88,13 +78,11 @@ def _cut_patches_by_reshape(processor) -> None:
     patches with unfold (im2col): 1.4 ms for a 448x448 slice on a CPU core, 12 of the 88 ms it takes to
     prepare a 1344x1344 image. The same layout is a view and one copy (0.2 ms), as transformers' own PIL
     image processor makes it. Only processors that use those classes' own method are changed."""
-    try:
-        from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
-        from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
-    except ImportError:  # a transformers without 4.6: nothing of theirs to change
+    shipped = _shipped_processors()
+    if shipped is None:  # a transformers without 4.6: nothing of theirs to change
         return
-    for name, known, cut in (("image_processor", MiniCPMV4_6ImageProcessor, image_patches),
-                             ("video_processor", MiniCPMV4_6VideoProcessor, _video_patches)):
+    for name, known, cut in (("image_processor", shipped["image"], image_patches),
+                             ("video_processor", shipped["video"], _video_patches)):
         part = getattr(processor, name, None)
         if part is not None and getattr(type(part), "reshape_by_patch", None) is known.reshape_by_patch:
             part.reshape_by_patch = cut
@@ -126,22 +114,39 @@ def _leave_videos_unnormalized(processor) -> None:
     """A video's frames come out of the app's processor as uint8 pixels, as images do
     (_leave_images_unnormalized), their tensors holding `video_pixel_normalization`. The video processor as
     shipped resizes in uint8 and only then rescales and normalizes in float32, so turning those two off is all it
-    takes, and the engine's normalization gives its pixels bit for bit. They took a third of a 16-frame video's
+    takes, and the engine's normalization gives its pixels bit for bit. They took about half of a 16-frame video's
     preparation on a CPU core, and float32 then bf16 pixels are twice uint8's bytes on their way to the engine
     (docs/DECISIONS.md D68). For MiniCPM-V 4.6's video processor when it resizes, rescales and normalizes, as its
     checkpoints do."""
+    normalization = _normalization_turned_off(getattr(processor, "video_processor", None), _video_patches, "video")
+    if normalization is not None:
+        processor.video_pixel_normalization = normalization
+
+
+def _normalization_turned_off(part, cut, kind: str):
+    """For the app's image or video processor (`kind`) of MiniCPM-V 4.6 (its patches cut by `cut`, its own
+    _preprocess) that resizes, rescales and normalizes: its rescaling and normalizing turned off, and what they
+    did, mean and std on the 0-255 scale (fused as transformers' torch processors fuse them, in float32). Else
+    None, the processor left as it is."""
     import torch
 
-    video_processor = getattr(processor, "video_processor", None)
-    if getattr(video_processor, "reshape_by_patch", None) is not _video_patches:
-        return
-    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
+    if getattr(part, "reshape_by_patch", None) is not cut:
+        return None
+    if type(part)._preprocess is not _shipped_processors()[kind]._preprocess:
+        return None
+    if not (part.do_rescale and part.do_normalize and part.do_resize):
+        return None
+    factor = 1.0 / part.rescale_factor
+    normalization = torch.stack([torch.tensor(part.image_mean) * factor, torch.tensor(part.image_std) * factor])
+    part.do_rescale = part.do_normalize = False
+    return normalization
 
-    if type(video_processor)._preprocess is not MiniCPMV4_6VideoProcessor._preprocess:
-        return
-    if not (video_processor.do_rescale and video_processor.do_normalize and video_processor.do_resize):
-        return
-    factor = 1.0 / video_processor.rescale_factor
-    processor.video_pixel_normalization = torch.stack([torch.tensor(video_processor.image_mean) * factor,
-                                                       torch.tensor(video_processor.image_std) * factor])
-    video_processor.do_rescale = video_processor.do_normalize = False
+
+def _shipped_processors() -> dict | None:
+    """transformers' MiniCPM-V 4.6 image and video processor classes, by kind; None if it has none."""
+    try:
+        from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
+        from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
+    except ImportError:
+        return None
+    return {"image": MiniCPMV4_6ImageProcessor, "video": MiniCPMV4_6VideoProcessor}

@@ -108,6 +108,25 @@ def packed_conv(projection, channels, weight, positions):
 
 
 @triton.jit
+def delta_rule_token(held, qkv, projection, beta_column, decay_column, a_log_ptr, dt_bias_ptr, key_head, value_head,
+                     k_index, v_index, scale, KEY_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """One token of the gated delta rule on a block `held` [BK, BV] of a value head's fp32 state, from the token's
+    rows of convolved queries, keys and values (`qkv`) and of the projection: (the block after it, its output)."""
+    query = tl.load(qkv + key_head * K + k_index, mask=k_index < K, other=0.0).to(tl.float32)
+    key = tl.load(qkv + KEY_HEADS * K + key_head * K + k_index, mask=k_index < K, other=0.0).to(tl.float32)
+    value = tl.load(qkv + 2 * KEY_HEADS * K + value_head * V + v_index, mask=v_index < V, other=0.0).to(tl.float32)
+    query = query / tl.sqrt(tl.sum(query * query, axis=0) + 1e-6) * scale
+    key = key / tl.sqrt(tl.sum(key * key, axis=0) + 1e-6)
+    beta = tl.sigmoid(tl.load(projection + beta_column + value_head).to(tl.float32))
+    raw = tl.load(projection + decay_column + value_head).to(tl.float32) + tl.load(dt_bias_ptr + value_head).to(tl.float32)
+    softplus = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))  # PyTorch's softplus threshold
+    held = held * tl.exp(-tl.exp(tl.load(a_log_ptr + value_head).to(tl.float32)) * softplus)
+    delta = beta * (value - tl.sum(held * key[:, None], axis=0))
+    held += key[:, None] * delta[None, :]
+    return held, tl.sum(held * query[:, None], axis=0)
+
+
+@triton.jit
 def _gated_delta_step_kernel(qkv_ptr, projection_ptr, projection_row_stride, beta_column, decay_column, a_log_ptr,
                              dt_bias_ptr, state_ptr, columns_ptr, out_ptr, scale, KEY_HEADS: tl.constexpr,
                              VALUE_HEADS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -124,28 +143,13 @@ def _gated_delta_step_kernel(qkv_ptr, projection_ptr, projection_row_stride, bet
     key_head = value_head // (VALUE_HEADS // KEY_HEADS)
     k_index = tl.arange(0, BK)
     v_index = (program % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
-    k_mask = k_index < K
-    v_mask = v_index < V
-    qkv = qkv_ptr + row * (2 * KEY_HEADS * K + VALUE_HEADS * V)
-    query = tl.load(qkv + key_head * K + k_index, mask=k_mask, other=0.0).to(tl.float32)
-    key = tl.load(qkv + KEY_HEADS * K + key_head * K + k_index, mask=k_mask, other=0.0).to(tl.float32)
-    value = tl.load(qkv + 2 * KEY_HEADS * K + value_head * V + v_index, mask=v_mask, other=0.0).to(tl.float32)
-    query = query / tl.sqrt(tl.sum(query * query, axis=0) + 1e-6) * scale
-    key = key / tl.sqrt(tl.sum(key * key, axis=0) + 1e-6)
-    projection = projection_ptr + row * projection_row_stride
-    beta = tl.sigmoid(tl.load(projection + beta_column + value_head).to(tl.float32))
-    raw = tl.load(projection + decay_column + value_head).to(tl.float32)
-    raw += tl.load(dt_bias_ptr + value_head).to(tl.float32)
-    softplus = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))  # PyTorch's softplus threshold
-    decay = -tl.exp(tl.load(a_log_ptr + value_head).to(tl.float32)) * softplus
     state = state_ptr + sequence_head * K * V + k_index[:, None] * V + v_index[None, :]
-    both = k_mask[:, None] & v_mask[None, :] & live
-    held = tl.load(state, mask=both, other=0.0) * tl.exp(decay)
-    delta = beta * (value - tl.sum(held * key[:, None], axis=0))
-    held += key[:, None] * delta[None, :]
+    both = (k_index < K)[:, None] & (v_index < V)[None, :] & live
+    held, out = delta_rule_token(tl.load(state, mask=both, other=0.0), qkv_ptr + row * (2 * KEY_HEADS * K + VALUE_HEADS * V),
+                                 projection_ptr + row * projection_row_stride, beta_column, decay_column, a_log_ptr,
+                                 dt_bias_ptr, key_head, value_head, k_index, v_index, scale, KEY_HEADS, K, V)
     tl.store(state, held, mask=both)
-    out = tl.sum(held * query[:, None], axis=0)
-    tl.store(out_ptr + sequence_head * V + v_index, out.to(out_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(out_ptr + sequence_head * V + v_index, out.to(out_ptr.dtype.element_ty), mask=v_index < V)
 
 
 def delta_step_layout(rows: int) -> tuple[int, int]:

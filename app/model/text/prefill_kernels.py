@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from app.model.text.kernels import delta_rule_token
+
 
 @triton.jit
 def _continued_attention_kernel(query_ptr, keys_ptr, values_ptr, slots_ptr, starts_ptr, lengths_ptr, out_ptr, scale,
@@ -148,25 +150,13 @@ def _continued_delta_steps_kernel(qkv_ptr, projection_ptr, projection_row_stride
         + k_index[:, None] * V + v_index[None, :]
     held = tl.load(state, mask=both, other=0.0)
     real = tl.load(lengths_ptr + prompt)
-    a = -tl.exp(tl.load(a_log_ptr + value_head).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + value_head).to(tl.float32)
     for place in range(LENGTH):
         row = prompt * LENGTH + place
-        qkv = qkv_ptr + row * (2 * KEY_HEADS * K + VALUE_HEADS * V)
-        query = tl.load(qkv + key_head * K + k_index, mask=k_mask, other=0.0).to(tl.float32)
-        key = tl.load(qkv + KEY_HEADS * K + key_head * K + k_index, mask=k_mask, other=0.0).to(tl.float32)
-        value = tl.load(qkv + 2 * KEY_HEADS * K + value_head * V + v_index, mask=v_mask, other=0.0).to(tl.float32)
-        query = query / tl.sqrt(tl.sum(query * query, axis=0) + 1e-6) * scale
-        key = key / tl.sqrt(tl.sum(key * key, axis=0) + 1e-6)
-        projection = projection_ptr + row * projection_row_stride
-        beta = tl.sigmoid(tl.load(projection + beta_column + value_head).to(tl.float32))
-        raw = tl.load(projection + decay_column + value_head).to(tl.float32) + dt_bias
-        softplus = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))  # PyTorch's softplus threshold
-        updated = held * tl.exp(a * softplus)
-        delta = beta * (value - tl.sum(updated * key[:, None], axis=0))
-        updated += key[:, None] * delta[None, :]
+        updated, out = delta_rule_token(held, qkv_ptr + row * (2 * KEY_HEADS * K + VALUE_HEADS * V),
+                                        projection_ptr + row * projection_row_stride, beta_column, decay_column,
+                                        a_log_ptr, dt_bias_ptr, key_head, value_head, k_index, v_index, scale,
+                                        KEY_HEADS, K, V)
         held = tl.where(place < real, updated, held)
-        out = tl.sum(updated * query[:, None], axis=0)
         tl.store(out_ptr + (row * VALUE_HEADS + value_head) * V + v_index, out.to(out_ptr.dtype.element_ty), mask=v_mask)
     tl.store(state, held, mask=both)
 
