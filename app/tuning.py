@@ -102,6 +102,11 @@ PREPARE_CONCURRENCY = 4  # requests whose images are decoded and sliced at once
 # 4.6 of 39 ms of a 1344x1344 noise PNG's preparation on a dev core (docs/DECISIONS.md D54). 0: glibc's own
 # thresholds.
 PREPARER_HELD_MEMORY_MB = 64
+# Threads FFmpeg decodes a video with (OpenCV's CAP_PROP_N_THREADS; 0: one a core). A video is sampled by seeking
+# to each frame, and every seek drains and refills a frame-threaded decoder: the video-16 workload's 16 seeks took
+# 37 ms with one thread, 69 with two and 124 with 16 on the 2-core dev machine, and preparing workers decode side
+# by side (docs/DECISIONS.md D69).
+VIDEO_DECODE_THREADS = 1
 PREPARER_START_TIMEOUT_S = 300  # for every preparing worker process to load its processor at start
 WEB_PROCESS_START_TIMEOUT_S = 300  # --web-processes: for each to import Gradio, build the UI and listen
 # --web-processes: front processes (the proxy at the public address) when --front-processes is 0. The front
@@ -163,6 +168,7 @@ FROM_ENVIRONMENT = {name: globals()[name] for name in (
     "SWITCH_INTERVAL_S",
     "PREPARE_CONCURRENCY",
     "PREPARER_HELD_MEMORY_MB",
+    "VIDEO_DECODE_THREADS",
     "STREAM_UPDATE_INTERVAL_S",
     "STREAM_UPDATES_PER_S",
     "CHAT_UPDATE_CHARS_PER_S",

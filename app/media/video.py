@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from app import limits
+from app import limits, tuning
 from app.messages import (
     MSG_EMPTY_VIDEO,
     MSG_UNREADABLE_VIDEO,
@@ -49,9 +49,10 @@ def sampled_frame_indices(total_frames: int, native_fps: float, sample_fps: floa
 @contextmanager
 def _opened(path: str):
     """The file through OpenCV's FFmpeg backend only: OpenCV's other backends interpret the name (the
-    image-sequence one reads "%d" patterns), and only a local file's path is handed over."""
+    image-sequence one reads "%d" patterns), and only a local file's path is handed over. Decoded with
+    tuning.VIDEO_DECODE_THREADS threads."""
     check_local_file(path)
-    capture = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
+    capture = cv2.VideoCapture(path, cv2.CAP_FFMPEG, [cv2.CAP_PROP_N_THREADS, tuning.VIDEO_DECODE_THREADS])
     try:
         yield capture
     finally:
