@@ -111,6 +111,14 @@ def test_bad_settings_are_refused(client, settings, message):
         stream(client, "Hello", [], settings)
 
 
+def test_an_unknown_settings_refusal_lists_follow_up_among_the_known(client):
+    """/ask reads follow_up itself: the list of known settings a refusal gives still names it."""
+    with pytest.raises(AppError, match="Unknown setting “colour”") as refused:
+        stream(client, "Hello", [], {"colour": "red"})
+    known = str(refused.value).split("Known settings: ")[1].rstrip(".").split(", ")
+    assert "follow_up" in known and "max_new_tokens" in known and known == sorted(known)
+
+
 @pytest.mark.parametrize("files, what", [("photo.png", "it was a string"), ({"name": "photo.png"}, "it was an object"),
                                          (7, "it was a number"), ([None], "its item 0 was null"),
                                          ([{"path": "x.png"}], "its item 0 is no file as handle_file makes one")])

@@ -37,13 +37,14 @@ class GenerationSettings:
     stop: tuple[str, ...] = ()
     seed: int | None = None  # a sampled reply's draws repeat with the same seed (app.model.sampling)
 
-    def with_overrides(self, overrides: dict) -> "GenerationSettings":
-        """These settings with `overrides` applied, each checked; unknown keys and bad values raise UserError."""
+    def with_overrides(self, overrides: dict, also_known: tuple[str, ...] = ()) -> "GenerationSettings":
+        """These settings with `overrides` applied, each checked; unknown keys and bad values raise UserError,
+        whose list of known settings adds `also_known` (those the caller reads itself: /ask's follow_up)."""
         known = {field.name: field.type for field in fields(self)}
         values = {}
         for key, value in (overrides or {}).items():
             if key not in known:
-                raise UserError(MSG_UNKNOWN_SETTING.format(key=key, known=", ".join(sorted(known))))
+                raise UserError(MSG_UNKNOWN_SETTING.format(key=key, known=", ".join(sorted([*known, *also_known]))))
             values[key] = _coerce(key, value, known[key])
         updated = replace(self, **values)
         updated.check()

@@ -181,8 +181,8 @@ class Handlers:
         self.manager = manager
         self.clock = clock  # what paces a reply's updates to the page (page_update_interval)
 
-    def settings_from(self, overrides: dict):
-        return self.manager.default_settings().with_overrides(overrides)
+    def settings_from(self, overrides: dict, also_known: tuple[str, ...] = ()):
+        return self.manager.default_settings().with_overrides(overrides, also_known)
 
     # Shared: stream a reply into a chat history -----------------------------------------------------
 
@@ -362,7 +362,7 @@ class Handlers:
         paths = [upload_path(file) for file in files or []]
         try:
             follow_up = parse_flag("follow_up", overrides.pop("follow_up", False))
-            generation_settings = self.settings_from(overrides)
+            generation_settings = self.settings_from(overrides, also_known=("follow_up",))
             if not text.strip() and not paths:
                 raise UserError(MSG_EMPTY_REQUEST)
             messages = list(conversation or []) if follow_up else []
