@@ -255,6 +255,26 @@ def test_the_stats_line_is_legible_and_opens_on_a_table(browser, server_url, wid
         page.close()
 
 
+def test_a_phones_video_pane_shades_its_foot_while_more_lies_below(browser, server_url, tmp_path):
+    """At 390 px the Video tab's media pane (40% of the height) holds the player, its settings and the frames the
+    model will see: a shade at its foot says that more lies below, and is gone once scrolled to the end."""
+    from tests.conftest import make_video
+
+    page = open_window(browser, server_url, 390, "light")
+    try:
+        page.get_by_role("tab", name="Video").click()
+        page.locator("#video-player input[type=file]").set_input_files(make_video(tmp_path, seconds=6))
+        page.locator("#video-frames img").first.wait_for(timeout=30_000)
+        pane = page.locator("#video-player >> xpath=ancestor::*[contains(@class, 'media-pane')][1]")
+        assert pane.evaluate("e => e.scrollHeight > e.clientHeight + 100")  # the frames lie below the player
+        shade = "e => parseFloat(getComputedStyle(e, '::after').opacity)"
+        assert wait_for(lambda: pane.evaluate(shade) > 0.9, 5)
+        pane.evaluate("e => e.scrollTop = e.scrollHeight")
+        assert wait_for(lambda: pane.evaluate(shade) < 0.1, 5)
+    finally:
+        page.close()
+
+
 def test_the_closed_settings_take_no_focus(browser, server_url):
     """Closed, the settings sidebar is only slid out of view: Tab goes round the page without entering it, and
     reaches its controls once it is opened."""
