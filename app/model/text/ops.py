@@ -151,11 +151,12 @@ def continued_conv(projection: torch.Tensor, channels: int, state: torch.Tensor,
     length = projection.shape[0] // prompts
     kept = state.index_select(0, slots).transpose(1, 2).to(projection.dtype)  # [prompts, width, channels]
     inputs = torch.cat([kept, projection[:, :channels].reshape(prompts, length, channels)], dim=1)
-    computed = inputs.to(weight.dtype)
-    convolved = sum(computed[:, 1 + tap:1 + tap + length] * weight[:, tap] for tap in range(width))
+    # Each prompt's kept inputs, then its new ones, as one packed prompt.
+    places = torch.arange(width + length, device=projection.device).repeat(prompts)
+    convolved = packed_conv(inputs.reshape(-1, channels), channels, weight, places).view(prompts, width + length, channels)
     last = (lengths[:, None] + torch.arange(width, device=lengths.device))[..., None].expand(-1, -1, channels)
     state.index_copy_(0, slots, inputs.gather(1, last).transpose(1, 2).to(state.dtype))
-    return F.silu(convolved).to(projection.dtype).reshape(prompts * length, channels)
+    return convolved[:, width:].reshape(prompts * length, channels)
 
 
 def continued_delta_steps(qkv: torch.Tensor, projection: torch.Tensor, beta_column: int, decay_column: int,
