@@ -115,6 +115,23 @@ def truncated_png(folder, name: str = "truncated.png") -> str:
     return path
 
 
+def normalized_as_the_engine_does(tensors: dict) -> dict:
+    """A request's tensors from the app's processor, whose images' and video's pixels it leaves in uint8, with those
+    normalized as the engine normalizes them (app.model.runner) and their normalizations taken out: what the
+    processor as shipped gives. Each such pixels' tensor is checked to be uint8."""
+    import torch
+
+    from app.engine.processor import normalized_pixels
+
+    tensors = dict(tensors)
+    for key, normalization in (("pixel_values", "pixel_normalization"),
+                               ("pixel_values_videos", "video_pixel_normalization")):
+        if normalization in tensors:
+            assert tensors[key].dtype == torch.uint8, key
+            tensors[key] = normalized_pixels(tensors[key], tensors.pop(normalization))
+    return tensors
+
+
 def make_video(folder, name: str = "clip.mp4", seconds: float = 10, fps: int = 24, size=(320, 240),
                fourcc: str = "mp4v") -> str:
     """A video whose frame i shows i in binary as 8 black/white stripes, so a decoded frame tells its index."""

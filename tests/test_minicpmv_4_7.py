@@ -3,12 +3,11 @@
 import pytest
 
 from app.config import AppConfig
-from app.engine.processor import normalized_pixels
 from app.engine.core import ModelManager
 from app.engine.replies import TextAssembler
 from app.model.checkpoint.presets import find_preset
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG_4_7, build_random_checkpoint
-from tests.conftest import make_image, make_video
+from tests.conftest import make_image, make_video, normalized_as_the_engine_does
 from tests.test_batching import all_at_once, greedy, reply, user
 
 
@@ -56,12 +55,7 @@ def test_replies_match_transformers_generate(manager_4_7, folder, conversations)
     reference = MiniCPMV4_7ForConditionalGeneration.from_pretrained(folder)  # plain sdpa vision attention
     settings = greedy(REPLY_TOKENS)
     for key, messages in conversations.items():
-        inputs = dict(manager_4_7.prepare(messages, settings).tensors)
-        # The app's processor leaves images and videos in uint8 for the engine.
-        for key, normalization in (("pixel_values", "pixel_normalization"),
-                                   ("pixel_values_videos", "video_pixel_normalization")):
-            if normalization in inputs:
-                inputs[key] = normalized_pixels(inputs[key], inputs.pop(normalization))
+        inputs = normalized_as_the_engine_does(manager_4_7.prepare(messages, settings).tensors)
         generated = reference.generate(**inputs, max_new_tokens=REPLY_TOKENS, min_new_tokens=REPLY_TOKENS,
                                      do_sample=False)
         expected = TextAssembler(manager_4_7.processor.tokenizer)

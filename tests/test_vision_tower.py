@@ -9,10 +9,10 @@ from app.model.vision import tower as vision_tower
 from app.model.vision.fused import FusedVisionTower
 from app.model.runner import BatchRunner
 from app.engine.inputs import prepare_inputs
-from app.engine.processor import load_processor, normalized_pixels
+from app.engine.processor import load_processor
 from app.model.checkpoint.random_checkpoint import TINY_CONFIG, TINY_CONFIG_4_7, build_random_checkpoint
 from app.engine.settings import GenerationSettings
-from tests.conftest import make_image, make_video
+from tests.conftest import make_image, make_video, normalized_as_the_engine_does
 
 
 def per_slice_attention(query, key, value, lengths, scale):
@@ -76,13 +76,7 @@ def test_patches_cut_by_reshape_equal_the_processors_own(config, tmp_path):
         settings = GenerationSettings(max_new_tokens=8, downsample_mode=mode)
         for messages in requests:
             expected = prepare_inputs(shipped, messages, settings, 8192).tensors
-            got = prepare_inputs(ours, messages, settings, 8192).tensors
-            # Images and videos come unnormalized (uint8): normalized as the engine does.
-            for key, normalization in (("pixel_values", "pixel_normalization"),
-                                       ("pixel_values_videos", "video_pixel_normalization")):
-                if normalization in got:
-                    assert got[key].dtype == torch.uint8
-                    got[key] = normalized_pixels(got[key], got.pop(normalization))
+            got = normalized_as_the_engine_does(prepare_inputs(ours, messages, settings, 8192).tensors)
             assert expected.keys() == got.keys()
             for key, value in expected.items():
                 assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
