@@ -55,6 +55,7 @@ CONVERSATION_CACHE_SHARE = 0.12
 # splits its prefill in two passes and copies its state out, which cost a wave about what prefilling 400-700
 # tokens again costs. A single text question, or one with a 448x448 photo (64 visual tokens), is prefilled
 # whole; a 1344x1344 photo's conversation (about 690 tokens) is kept from its first turn (docs/DECISIONS.md D48).
+# A prompt with a video is kept whatever its length: its follow-ups would otherwise sample its frames again (D70).
 CONVERSATION_CACHE_MIN_TOKENS = 512
 # The visual features of earlier turns' images, kept once encoded, take at most this many MB of GPU memory
 # (app.engine.encoded_images): a conversation whose kept state was let go, or that starts again from its first

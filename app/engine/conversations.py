@@ -16,7 +16,7 @@ Memory is bounded: the least recently used conversations go first once the kept 
 tuning.CONVERSATION_CACHE_GB. A prompt whose conversation was let go is prefilled whole, and gets the
 same reply. A prompt whose last turn starts fewer than tuning.CONVERSATION_CACHE_MIN_TOKENS tokens in is
 prefilled whole and not kept: the split and the copy would cost more than prefilling it again saves
-(docs/DECISIONS.md D48). Matches are exact, so kept states never leak between conversations: a prompt reuses one
+(docs/DECISIONS.md D48), unless it holds a video, which a follow-up would otherwise sample again (D70). Matches are exact, so kept states never leak between conversations: a prompt reuses one
 only if it repeats that conversation token for token, with the same media files (docs/SECURITY.md).
 """
 
@@ -67,8 +67,8 @@ class ConversationCache(BoundedCache):
         """The longest kept conversation `prepared` (app.engine.inputs.PreparedInputs) goes on from, or None.
         Only the starts of its last LOOKED_AT_TURNS turns are looked at: that is where states are kept, and a
         follow-up, a Retry, an Undo or an edit of a recent turn goes on from one of them. Their keys are made
-        before the lock is taken: the scheduler's thread waits on it. None is kept before min_tokens."""
-        starts = [start for start in prepared.turn_starts[-LOOKED_AT_TURNS:] if start >= self.min_tokens]
+        before the lock is taken: the scheduler's thread waits on it. None is kept before fewest_tokens."""
+        starts = [start for start in prepared.turn_starts[-LOOKED_AT_TURNS:] if start >= self.fewest_tokens(prepared)]
         if not self._kept or not starts:
             return None
         tokens = _token_bytes(prepared)
@@ -80,6 +80,12 @@ class ConversationCache(BoundedCache):
                     self._kept.move_to_end(found.key)
                     return found
         return None
+
+    def fewest_tokens(self, prepared) -> int:
+        """How many tokens in a prompt's last turn must start for it to be kept: min_tokens, or none for a prompt
+        with a video, whose every follow-up would otherwise sample the video's frames again on a CPU core
+        (app.engine.held_videos; docs/DECISIONS.md D70)."""
+        return 0 if prepared.video_tokens else self.min_tokens
 
     def superseded(self, kept: KeptConversation) -> None:
         """A newer state of `kept`'s conversation is kept: `kept` is let go first when room is needed (it
@@ -135,7 +141,7 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
     first_slot, first_slot + 1, ...; `columns` is room each needs. Returns the requests in slot order and
     their next-token logits.
 
-    Without the cache, or for a prompt it cannot keep or that is too short to keep (cache.min_tokens), the
+    Without the cache, or for a prompt it cannot keep or that is too short to keep (cache.fewest_tokens), the
     whole prompt at once (runner.prefill). Else up to its last turn's start, from a kept conversation if one
     matches (restored into its slot, its media not encoded: app.engine.inputs.without_media_before), the
     state there kept, then the rest."""
@@ -147,7 +153,7 @@ def prefill_wave(runner, cache: ConversationCache, wave: list, features: list, f
         elif prepared.kept is not None:
             going_on.append((request, feature))
         else:
-            (fresh if _turn(request) >= cache.min_tokens else whole).append((request, feature))
+            (fresh if _turn(request) >= cache.fewest_tokens(prepared) else whole).append((request, feature))
     ordered = whole + fresh + going_on
     slots = {id(request): first_slot + index for index, (request, _) in enumerate(ordered)}
     logits = []
@@ -187,9 +193,10 @@ def _ids(request, start: int, end: int | None):
 
 
 def mark_turns_and_media(prepared, tokenizer, input_ids, image_paths: list[str], plan,
-                          video_paths: list[str], settings: GenerationSettings) -> None:
+                          video: tuple[str, tuple[int, int, int]] | None, settings: GenerationSettings) -> None:
     """Fill in what a kept conversation is matched by (PreparedInputs.turn_starts and the media's), for a
-    prompt whose images' tokens lie where `plan` says."""
+    prompt whose images' tokens lie where `plan` says, or that holds `video` (its path, and its sampled frames'
+    count, height and width)."""
     turn_start = tokenizer.convert_tokens_to_ids(TURN_START)
     if turn_start is None or turn_start == tokenizer.unk_token_id:
         return
@@ -203,16 +210,23 @@ def mark_turns_and_media(prepared, tokenizer, input_ids, image_paths: list[str],
             ends.append(placeholders[last - 1] + 1)
             keys.append(image_key(path, settings.downsample_mode, plan.max_slice_nums))
         prepared.image_views = tuple(1 + image.slice_count for image in plan.images)
-    if video_paths and prepared.video_tokens:
+    if video is not None and prepared.video_tokens:
         ends.append(int((input_ids == tokenizer.video_token_id).nonzero()[-1, 0]) + 1)
-        keys.append(f"{file_identity(video_paths[0])}|{settings.downsample_mode}|{settings.video_fps}|"
-                    f"{settings.video_max_frames}|{settings.video_slices_per_frame}")
+        keys.append(video_key(*video, settings))
     prepared.media_keys, prepared.media_ends = tuple(keys), tuple(ends)
 
 
 def image_key(path: str, downsample_mode: str, max_slice_nums: int) -> str:
     """An image's identity in a kept conversation: its file's, and how it was cut and encoded."""
     return f"{file_identity(path)}|{downsample_mode}|{max_slice_nums}"
+
+
+def video_key(path: str, shape: tuple[int, int, int], settings: GenerationSettings) -> str:
+    """A video's identity in a kept conversation: its file's, how its frames were sampled (and how many, of what
+    size, were read), and how they were cut and encoded."""
+    frames, height, width = shape
+    return (f"{file_identity(path)}|{settings.downsample_mode}|{settings.video_fps}|{settings.video_max_frames}|"
+            f"{settings.video_slices_per_frame}|{frames}x{height}x{width}")
 
 
 def file_identity(path: str) -> str:
@@ -230,7 +244,7 @@ def without_media_before(prepared, position: int) -> None:
     kept = sum(end <= position for end in prepared.media_ends)
     if not kept:
         return
-    if tensors.get("pixel_values_videos") is not None:
+    if prepared.video_tokens:  # a video, the request's only medium (app.engine.request_media.media_fit)
         tensors["pixel_values_videos"] = None
         return
     views = sum(prepared.image_views[:kept])

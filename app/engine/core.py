@@ -19,7 +19,7 @@ from app import limits, startup, tuning
 from app.messages import MSG_SWITCHING, MSG_SWITCH_FAILED
 from app.config import AppConfig
 from app.engine.conversations import ConversationCache, without_media_before
-from app.engine.encoded_images import EncodedImages, held_media, take_held_images
+from app.engine.encoded_images import EncodedImages, held_media, take_held_media
 from app.engine.inputs import PreparedInputs, canvas_positions, thinks_by_default
 from app.model.checkpoint.loader import ModelSource, load_model_and_processor, pick_device, pick_dtype, resolve_model
 from app.engine.metrics import EngineMetrics
@@ -312,7 +312,7 @@ class ModelManager:
         asked = time.perf_counter()
         images = self.scheduler.images
         prepared = self._prepared(messages, settings, held_media(messages, self.scheduler.conversations, images))
-        if prepared.pixels_left_out and not take_held_images(prepared, images):  # let go meanwhile
+        if prepared.pixels_left_out and not take_held_media(prepared, images):  # let go meanwhile
             prepared = self._prepared(messages, settings, frozenset())
         prepared.timeline["asked"] = asked
         if prepared.kept is not None:  # its earlier media are in the kept state: not encoded again

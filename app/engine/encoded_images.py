@@ -81,12 +81,13 @@ def _file_of(key: str) -> str:
 
 def held_media(messages: list[dict], conversations, images: EncodedImages) -> frozenset:
     """The keys of the media of this request's earlier turns that kept conversations or `images` hold: what
-    its preparer is told (app.engine.inputs). No key where its last question holds an image (then every image is
-    decoded) or no earlier turn does, so that a request's preparer is not sent every key held."""
-    if not messages or any(part["type"] == "image" for part in messages[-1]["content"]):
+    its preparer is told (app.engine.inputs). No key where its last question holds an image or a video (then
+    all its media are decoded) or no earlier turn holds one, so that a request's preparer is not sent every key
+    held."""
+    if not messages or any(part["type"] in ("image", "video") for part in messages[-1]["content"]):
         return frozenset()
     files = set()
-    for path in media_paths(messages[:-1], "image"):
+    for path in media_paths(messages[:-1], "image") + media_paths(messages[:-1], "video"):
         try:
             files.add(file_identity(path))
         except OSError:  # gone: its preparation says so
@@ -103,10 +104,13 @@ def _images_after_kept(prepared) -> list[tuple[str, int]]:
                                                       prepared.image_tokens) if end > kept_length]
 
 
-def take_held_images(prepared, cache: EncodedImages) -> bool:
-    """For a request prepared without its images' pixels: whether its kept conversation and `cache` still hold
-    every one of its images; if so, the features of those its conversation does not hold are taken into
-    prepared.image_features (held by the request from now on, whatever the cache lets go)."""
+def take_held_media(prepared, cache: EncodedImages) -> bool:
+    """For a request prepared without its media's pixels: whether its kept conversation and `cache` still hold
+    every one of its images, or its conversation its video; if so, the features of those images its
+    conversation does not hold are taken into prepared.image_features (held by the request from now on,
+    whatever the cache lets go)."""
+    if prepared.video_tokens:  # only its kept conversation holds a video's features
+        return prepared.kept is not None and prepared.media_ends[-1] <= prepared.kept.length
     rest = _images_after_kept(prepared)
     if not rest:  # its kept conversation holds them all (no kept conversation: where each image lies is unknown)
         return prepared.kept is not None

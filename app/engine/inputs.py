@@ -14,6 +14,7 @@ from app.messages import (
 )
 from app.chat import THINK_OPEN
 from app.engine.conversations import image_key, mark_turns_and_media
+from app.engine.held_videos import held_video
 from app.engine.prompt_text import TextPartsAsText, with_placeholders
 from app.engine.request_media import check_media_fit, image_sizes, media_fit, media_paths
 from app.engine.settings import GenerationSettings
@@ -45,7 +46,8 @@ class PreparedInputs:
     media_ends: tuple[int, ...] = ()
     image_views: tuple[int, ...] = ()
     kept: object = None  # the kept conversation this prompt goes on from (set by the engine)
-    pixels_left_out: bool = False  # its images were not decoded: kept conversations or encoded images hold them all
+    # Its images (or its video) were not decoded: kept conversations (or encoded images) hold them all.
+    pixels_left_out: bool = False
     image_features: list | None = None  # those of its images its kept conversation does not hold, if encoded before
 
     @property
@@ -90,7 +92,8 @@ def prepare_inputs(processor, messages: list[dict], settings: GenerationSettings
     its tensors hold the images' DeferredImages instead, with the decoded pixels of those that are not JPEGs the
     GPU decodes as the CPU does (app.engine.jpegs_on_device).
     A request whose every image a kept conversation holds (their keys in `kept_media`: a follow-up) gets none
-    either, and says so (pixels_left_out): the engine encodes none of them (app.engine.conversations).
+    either, and says so (pixels_left_out): the engine encodes none of them (app.engine.conversations). So does
+    one whose video a kept conversation holds (app.engine.held_videos).
     `may_hold_gil`: nothing else of this process waits to run (a preparing worker process; load_image_pixels).
     """
     if not messages or messages[-1]["role"] != "user":
@@ -162,10 +165,10 @@ def canvas_positions(model, tensors: dict, downsample_mode: str) -> tuple | None
     return positions[:, 0], int(deltas[0, 0])
 
 
-def _video_kwargs(video, settings: GenerationSettings) -> dict:
-    """The processor's arguments for a sampled video, as the model card says to process its frames."""
+def _video_kwargs(frames, settings: GenerationSettings) -> dict:
+    """The processor's arguments for a video's sampled frames, as the model card says to process them."""
     return {
-        "videos": [video.frames],
+        "videos": [frames],
         # No <image_id> numbering for video frames (the card). transformers reads the flag only at the call's
         # top level (or in images_kwargs), not in videos_kwargs; a video request holds no images
         # (request_media.media_fit), so here it reaches the frames alone.
@@ -176,6 +179,18 @@ def _video_kwargs(video, settings: GenerationSettings) -> dict:
             "do_sample_frames": False,  # frames were sampled by app.media.video
         },
     }
+
+
+def _video(processor, messages: list[dict], paths: list[str], settings: GenerationSettings, kept_media: frozenset):
+    """For the request's video, if any: (the processor's arguments; the video processor's stand-in where a kept
+    conversation holds it, else None: sampled; its frames' (count, height, width); notices for the user)."""
+    if not paths:
+        return {}, None, None, ()
+    planned = held_video(processor, messages, paths[0], settings, kept_media)
+    if planned is not None:
+        return _video_kwargs(planned.stand_in(), settings), planned, planned.shape, ()
+    video = sample_video(paths[0], settings.video_fps, settings.video_max_frames)
+    return _video_kwargs(video.frames, settings), None, video.frames.shape[:3], video.notices
 
 
 def _loaded_images(paths: list[str], images: dict, on_device: bool, may_hold_gil: bool) -> tuple[list, bool]:
@@ -236,11 +251,9 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     sizes_only = bool(loaded) and (on_device or bool(left_out))  # no pixels for the processor
     plan, processor_kwargs = _image_plan_and_arguments(processor, loaded, sizes_only, settings)
     notices = [plan.notice()] if plan is not None and plan.notice() else []
-    video = None
-    if video_paths:
-        video = sample_video(video_paths[0], settings.video_fps, settings.video_max_frames)
-        notices.extend(video.notices)
-        processor_kwargs.update(_video_kwargs(video, settings))
+    video_arguments, planned, video_shape, video_notices = _video(processor, messages, video_paths, settings, kept_media)
+    processor_kwargs.update(video_arguments)
+    notices.extend(video_notices)
 
     template_messages, texts, mark = with_placeholders(messages)
     # Unset, the flag is not passed: the checkpoint's template decides (a Thinking build may default on).
@@ -250,12 +263,14 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     text_safe.tokenizer = TextPartsAsText(processor.tokenizer, texts, mark)
     if sizes_only:
         text_safe.image_processor = PlannedSlices(processor.image_processor, plan.images)
+    if planned is not None:
+        text_safe.video_processor = planned
     tensors = dict(text_safe(text=[prompt], return_tensors="pt", **processor_kwargs))
     if sizes_only and not left_out:
         tensors.update(deferred_images(image_paths, loaded, plan.images, processor.image_processor.patch_size))
     if loaded and (sizes_only or not tensors["pixel_values"].is_floating_point()):
         tensors["pixel_normalization"] = processor.pixel_normalization
-    if video is not None and not tensors["pixel_values_videos"].is_floating_point():
+    if video_shape and planned is None and not tensors["pixel_values_videos"].is_floating_point():
         tensors["video_pixel_normalization"] = processor.video_pixel_normalization
     input_ids = tensors["input_ids"][0]
     tokenizer = processor.tokenizer
@@ -269,11 +284,12 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
         prompt_tokens=int(input_ids.numel()),
         image_tokens=image_tokens,
         video_tokens=int((input_ids == tokenizer.video_token_id).sum()),
-        video_frames=len(video.frame_indices) if video else 0,
+        video_frames=video_shape[0] if video_shape else 0,
         notices=notices,
         opens_thinking=prompt.rstrip().endswith(THINK_OPEN),
-        pixels_left_out=bool(left_out),
+        pixels_left_out=bool(left_out) or planned is not None,
     )
     if plan is None or counted == plan.total_tokens:  # else where each image's tokens lie is not known
-        mark_turns_and_media(prepared, tokenizer, input_ids, image_paths, plan, video_paths, settings)
+        mark_turns_and_media(prepared, tokenizer, input_ids, image_paths, plan,
+                             (video_paths[0], video_shape) if video_shape else None, settings)
     return prepared

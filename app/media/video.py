@@ -112,6 +112,18 @@ def probe_video(path: str) -> tuple[int, float]:
         return _probe(capture, os.path.basename(path))[:2]
 
 
+def planned_frames(path: str, sample_fps: float, max_frames: int) -> tuple[int, int, int]:
+    """(frames, height, width) that sample_video gives if the container header holds, decoding no frame: what a
+    video that a kept conversation holds is matched by (app.engine.held_videos). Raises UserError as
+    sample_video does for what the header shows."""
+    name = os.path.basename(path)
+    with _opened(path) as capture:
+        total_frames, native_fps, width, height = _probe(capture, name)
+    count = len(sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames))
+    _check_frame_size(name, width, height, count)
+    return count, height, width
+
+
 def _probe(capture, name: str) -> tuple[int, float, int, int]:
     """(frame count, frames per second, width, height) from the container header."""
     if not capture.isOpened():
