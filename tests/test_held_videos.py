@@ -9,7 +9,9 @@ import pytest
 from app.engine.held_videos import PlannedFrames
 from app.engine.settings import GenerationSettings
 from tests.conftest import make_video
-from tests.test_conversations import GREEDY, cache, conversation, reply, same_with_and_without, text  # noqa: F401 (cache: a fixture)
+from tests.test_conversations import (  # noqa: F401 (cache: a fixture)
+    GREEDY, cache, conversation, reply, same_with_and_without, text)
+from tests.test_video import patch_avi
 
 
 @pytest.fixture
@@ -66,17 +68,42 @@ def test_a_video_in_a_later_turn_and_thinking(manager, cache, sampled, tmp_path)
     assert sampled.count(video) == 1 + 2  # with the cache once; without, each turn that holds it
 
 
-def test_frames_read_unlike_the_header_are_sampled_again(manager, cache, sampled, tmp_path, monkeypatch):
-    """Where the first sampling read other frames than the header plans (a header that overstates the frame
-    count, say), the planned frames match no kept video: it is sampled again, with the same reply."""
+def test_a_header_that_overstates_the_frames_plans_no_held_video(manager, cache, sampled, tmp_path, monkeypatch):
+    """The header says 400 frames (40 s, 40 to sample), the file holds 40 (4 s): the first sampling reads 4 frames
+    and says so. A follow-up's planned 40 frames match no kept video, so no stand-in is made: it is sampled."""
     from app.engine import held_videos
 
-    video = make_video(tmp_path, seconds=2, fps=8)
-    monkeypatch.setattr(held_videos, "planned_frames", lambda path, fps, count: (3, 240, 320))
+    video = patch_avi(make_video(tmp_path, "lying.avi", seconds=4, fps=10, fourcc="MJPG"), total_frames=400)
+    stand_ins = []
+
+    class Recorded(held_videos.PlannedFrames):
+        def __init__(self, *arguments):
+            stand_ins.append(arguments)
+            super().__init__(*arguments)
+
+    monkeypatch.setattr(held_videos, "PlannedFrames", Recorded)
     turns = same_with_and_without(manager, cache, [{"type": "video", "path": video}, text("What happens?")],
                                   [[text("And then?")]])
     assert turns[1][2] > 0  # its kept state is still gone on from
-    assert sampled.count(video) == 2 + 2
+    assert sampled.count(video) == 2 + 2 and stand_ins == []
+    first = reply(manager, [{"role": "user", "content": [{"type": "video", "path": video}, text("What?")]}])
+    assert "Only 4 of the 40 planned frames" in " ".join(first.notices)
+
+
+def test_the_last_questions_video_is_never_held(manager, tmp_path):
+    """Even where the preparer were told that a kept conversation holds it (app.engine.held_videos checks too)."""
+    from app.engine.conversations import video_key
+    from app.engine.held_videos import held_video
+    from app.media.video import planned_frames
+
+    video = make_video(tmp_path, seconds=2, fps=8)
+    key = video_key(video, planned_frames(video, GREEDY.video_fps, GREEDY.video_max_frames), GREEDY)
+    question = {"role": "user", "content": [{"type": "video", "path": video}, text("What happens?")]}
+    follow_up = [question, {"role": "assistant", "content": [text("A clip.")]},
+                 {"role": "user", "content": [text("And then?")]}]
+    assert held_video(manager.processor, [question], video, GREEDY, frozenset({key})) is None
+    assert held_video(manager.processor, follow_up, video, GREEDY, frozenset({key})) is not None
+    assert held_video(manager.processor, follow_up, video, GREEDY, frozenset()) is None
 
 
 def test_a_video_let_go_while_its_follow_up_is_prepared_is_sampled_again(manager, cache, sampled, tmp_path):

@@ -16,8 +16,9 @@ Memory is bounded: the least recently used conversations go first once the kept 
 tuning.CONVERSATION_CACHE_GB. A prompt whose conversation was let go is prefilled whole, and gets the
 same reply. A prompt whose last turn starts fewer than tuning.CONVERSATION_CACHE_MIN_TOKENS tokens in is
 prefilled whole and not kept: the split and the copy would cost more than prefilling it again saves
-(docs/DECISIONS.md D48), unless it holds a video, which a follow-up would otherwise sample again (D70). Matches are exact, so kept states never leak between conversations: a prompt reuses one
-only if it repeats that conversation token for token, with the same media files (docs/SECURITY.md).
+(docs/DECISIONS.md D48), unless it holds a video, which a follow-up would otherwise sample again (D70).
+Matches are exact, so kept states never leak between conversations: a prompt reuses one only if it repeats
+that conversation token for token, with the same media files (docs/SECURITY.md).
 """
 
 import logging
@@ -48,9 +49,9 @@ class KeptConversation:
 
 
 class ConversationCache(BoundedCache):
-    """Kept conversations, least recently used first, up to `capacity_bytes` of state; a prompt whose last
-    turn starts fewer than `min_tokens` tokens in is not kept (tuning.CONVERSATION_CACHE_MIN_TOKENS). Used
-    from the request threads (find) and the scheduler's (keep)."""
+    """Kept conversations, least recently used first, up to `capacity_bytes` of state; a prompt without a video
+    whose last turn starts fewer than `min_tokens` tokens in is not kept (tuning.CONVERSATION_CACHE_MIN_TOKENS,
+    fewest_tokens). Used from the request threads (find) and the scheduler's (keep)."""
 
     def __init__(self, capacity_bytes: int, min_tokens: int = 0):
         super().__init__(capacity_bytes)  # self._kept: KeptConversation by key

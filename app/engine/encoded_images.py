@@ -105,10 +105,9 @@ def _images_after_kept(prepared) -> list[tuple[str, int]]:
 
 
 def take_held_media(prepared, cache: EncodedImages) -> bool:
-    """For a request prepared without its media's pixels: whether its kept conversation and `cache` still hold
-    every one of its images, or its conversation its video; if so, the features of those images its
-    conversation does not hold are taken into prepared.image_features (held by the request from now on,
-    whatever the cache lets go)."""
+    """For a request prepared without its media's pixels: whether its media are all still held, a video by its
+    kept conversation, images by that and `cache`; if so, the features of the images its conversation does not
+    hold are taken into prepared.image_features (held by the request from now on, whatever the cache lets go)."""
     if prepared.video_tokens:  # only its kept conversation holds a video's features
         return prepared.kept is not None and prepared.media_ends[-1] <= prepared.kept.length
     rest = _images_after_kept(prepared)

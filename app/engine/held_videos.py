@@ -3,10 +3,11 @@
 A follow-up about a video repeats the video in its prompt, and the conversation's kept state
 (app.engine.conversations) already holds what its frames gave, so the engine encodes none of them. Sampling
 them again on a CPU core still cost every follow-up 0.34 s for a 16-second 720p clip and 3.4 s for two minutes
-of it, where this takes 4 and 30 ms (docs/DECISIONS.md D70). Here such a video is matched by its file, its settings and the frames
-its container header plans (app.media.video.planned_frames), and the processor is handed the frames' sizes
-alone: the same placeholder tokens, no pixels. If the header misled the first sampling (fewer frames read,
-another size), the planned frames do not match the kept ones, and the video is decoded as before.
+of it, where this takes 4 and 30 ms (docs/DECISIONS.md D70). Here such a video is matched by its file, its
+settings and the frames its container header plans (app.media.video.planned_frames), and the processor is
+handed the frames' sizes alone: the same placeholder tokens, no pixels. If the header misled the first
+sampling (fewer frames read, another size), the planned frames do not match the kept ones, and the video is
+decoded as before.
 
 As for images (app.engine.inputs), never the last question's video: if another conversation held it, this
 one would be prepared in a time that tells so. No torch at import, as everywhere in app.engine.
@@ -41,17 +42,22 @@ class PlannedFrames:
 
     @staticmethod
     def plans(video_processor) -> bool:
-        """Whether its frames' geometry is known here: MiniCPM-V 4.6's video processor (4.7 uses it too) as
-        transformers ships its preprocessing, resizing each frame on its own (no sub-second frames stacked)."""
+        """Whether its frames' geometry is known here: MiniCPM-V 4.6's video processor as transformers ships its
+        preprocessing and its resizing, each frame resized on its own (no sub-second frames stacked). 4.7 uses it
+        too, but its prompts with media are never kept (their positions are its own: app.engine.inputs
+        canvas_positions), so no video of theirs is held."""
         try:
             from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
         except ImportError:
             return False
-        return (isinstance(video_processor, MiniCPMV4_6VideoProcessor)
-                and type(video_processor)._preprocess is MiniCPMV4_6VideoProcessor._preprocess
+        shipped = MiniCPMV4_6VideoProcessor
+        return (isinstance(video_processor, shipped) and type(video_processor)._preprocess is shipped._preprocess
+                and type(video_processor).resize_and_split_patches is shipped.resize_and_split_patches
                 and bool(video_processor.do_resize) and (video_processor.stack_frames or 1) == 1)
 
     def __getattr__(self, name):
+        if name == "_video_processor":  # not set yet: an object being copied or unpickled
+            raise AttributeError(name)
         return getattr(self._video_processor, name)
 
     def __call__(self, videos, return_tensors=None, **kwargs):

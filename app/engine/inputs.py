@@ -251,7 +251,8 @@ def _prepare(processor, messages: list[dict], settings: GenerationSettings, imag
     sizes_only = bool(loaded) and (on_device or bool(left_out))  # no pixels for the processor
     plan, processor_kwargs = _image_plan_and_arguments(processor, loaded, sizes_only, settings)
     notices = [plan.notice()] if plan is not None and plan.notice() else []
-    video_arguments, planned, video_shape, video_notices = _video(processor, messages, video_paths, settings, kept_media)
+    video_arguments, planned, video_shape, video_notices = _video(processor, messages, video_paths, settings,
+                                                                  kept_media)
     processor_kwargs.update(video_arguments)
     notices.extend(video_notices)
 

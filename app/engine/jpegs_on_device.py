@@ -103,6 +103,8 @@ class PlannedSlices:
         self._slicings = slicings
 
     def __getattr__(self, name):
+        if name == "_image_processor":  # not set yet: an object being copied or unpickled
+            raise AttributeError(name)
         return getattr(self._image_processor, name)
 
     def __call__(self, images, return_tensors=None, **kwargs):
