@@ -32,6 +32,15 @@ LOOKS = """(e) => {
     }
     return {size: parseFloat(style.fontSize), colour: style.color, behind, opacity};
 }"""
+# Whether the element lies wholly within its nearest scrolling ancestor's view (the window's, if none scrolls).
+IN_VIEW = """(e) => {
+    let pane = e.parentElement;
+    while (pane && !(pane.scrollHeight > pane.clientHeight && /auto|scroll/.test(getComputedStyle(pane).overflowY))) {
+        pane = pane.parentElement;
+    }
+    const box = e.getBoundingClientRect(), view = pane ? pane.getBoundingClientRect() : {top: 0, bottom: innerHeight};
+    return box.top >= view.top - 1 && box.bottom <= Math.min(view.bottom, innerHeight) + 1;
+}"""
 # A Markdown table outside the chat (Gradio draws those in the text colour): one is put into the header.
 A_TABLE = """(markdown) => {
     markdown.insertAdjacentHTML("beforeend", "<table><tbody><tr><td>cell</td></tr></tbody></table>");
@@ -251,6 +260,34 @@ def test_the_stats_line_is_legible_and_opens_on_a_table(browser, server_url, wid
         ask(page, "#multi-input", "#multi-chat", "What changed?", 1)
         assert new_tokens(page.locator("#multi-chat .thought-group:has(.reply-stats)").inner_text()) <= 6
         assert page.locator("#multi-chat .thought-group:not(:has(.reply-stats))").count() >= 1  # it reasoned
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("width", [1366, 390])
+def test_a_long_replys_stats_opened_scroll_into_view(browser, server_url, width):
+    """Under a reply that filled the chat, the stats' table opens below its fold: the chat scrolls to show it."""
+    page = open_window(browser, server_url, width, "light")
+    try:
+        set_max_new_tokens(page, 300)
+        ask(page, "#chat-input", "#chat", "Tell me a long story.", 1)
+        stats = page.locator("#chat .thought-group:has(.reply-stats)")
+        stats.locator(".title .md").click()
+        table = stats.locator("table")
+        table.wait_for()
+        assert wait_for(lambda: table.evaluate(IN_VIEW), 5), table.evaluate("e => e.getBoundingClientRect().bottom")
+    finally:
+        page.close()
+
+
+def test_the_video_tabs_example_shows_a_square_thumbnail_as_the_images_do(browser, server_url):
+    page = open_window(browser, server_url, 390, "light")
+    try:
+        image = rects(page, "#chat .example-image")[0]
+        page.get_by_role("tab", name="Video").click()
+        page.locator("#video-chat video.example-image").wait_for()
+        video = rect(page, "#video-chat video.example-image")
+        assert (video["width"], video["height"]) == (image["width"], image["height"]) and image["width"] >= 30
     finally:
         page.close()
 

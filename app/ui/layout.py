@@ -16,7 +16,8 @@ from app.ui.handlers import SETTING_KEYS, Handlers, model_header, settings_dict
 from app.ui.panels import (CLOSED_SETTINGS_INERT, LABEL_SETTINGS_TOGGLE, OPEN_SERVER_LOAD_FROM_LINK, below_the_tabs,
                             reply_controls, settings_sidebar)
 from app.ui.previews import Previews, ShownVideo
-from app.ui.replying import MODEL_EVENTS, streaming, wire_answer, wire_clear, wire_question, wire_stop
+from app.ui.replying import (MODEL_EVENTS, OPENED_STATS_INTO_VIEW, streaming, wire_answer, wire_clear,
+                             wire_question, wire_stop)
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
 EXAMPLES = os.path.join(ASSETS, "examples")
@@ -91,6 +92,7 @@ def build_demo(manager) -> gr.Blocks:
         demo.load(None, js=LABEL_SETTINGS_TOGGLE, api_visibility="private")
         demo.load(None, js=OPEN_SERVER_LOAD_FROM_LINK, api_visibility="private")
         demo.load(None, js=CLOSED_SETTINGS_INERT, api_visibility="private")
+        demo.load(None, js=OPENED_STATS_INTO_VIEW, api_visibility="private")
         _wire_api(wiring, api)
     return demo
 

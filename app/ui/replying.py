@@ -134,3 +134,25 @@ def wire_stop(box, chatbot, control: StopControl, answers: list) -> None:
                  cancels=answers, concurrency_limit=None, api_visibility="private")
     else:
         box.stop(control.stop, None, None, queue=False, api_visibility="private")
+
+
+# A reply's stats, opened, draw their table below the chat's fold (under the last reply, always): the chat scrolls
+# it into view as it opens (Gradio draws it over a few hundred ms), where a newcomer at either width found it cut off.
+OPENED_STATS_INTO_VIEW = """() => {
+    if (document.body.dataset.statsIntoView) return;
+    document.body.dataset.statsIntoView = "1";
+    const toggled = (event) => {
+        const title = event.target.closest && event.target.closest(".thought-group > .title");
+        const group = title && title.parentElement;
+        if (!group || !group.querySelector(".reply-stats")) return;
+        if (event.type === "keydown" && event.key !== "Enter" && event.key !== " ") return;
+        const until = performance.now() + 800;  // the chat's scrolling height catches up a few frames late
+        const follow = () => {
+            group.scrollIntoView({block: "nearest"});
+            if (performance.now() < until) requestAnimationFrame(follow);
+        };
+        requestAnimationFrame(follow);
+    };
+    document.addEventListener("click", toggled, true);  // caught on the way down: the title stops its clicks there
+    document.addEventListener("keydown", toggled, true);
+}"""
