@@ -29,12 +29,14 @@ def sign() -> Image.Image:
 
 
 def ball_video(path: str, seconds: int = 6, fps: int = 24) -> None:
-    width, height = 480, 270
+    """A blue ball that rolls from the middle to the right, across to the left and back: its first frame, which
+    the chat's example shows cut square from the middle (assets/style.css), shows the ball."""
+    width, height, radius = 480, 270, 40
     writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"VP80"), fps, (width, height))
     for index in range(seconds * fps):
         frame = np.full((height, width, 3), (236, 243, 245), np.uint8)
-        x = int(40 + (width - 80) * index / (seconds * fps - 1))
-        cv2.circle(frame, (x, height // 2), 30, (227, 132, 9), -1)  # BGR: blue ball
+        x = int(width / 2 + (width / 2 - radius - 10) * np.sin(2 * np.pi * index / (seconds * fps)))
+        cv2.circle(frame, (x, height // 2), radius, (227, 132, 9), -1)  # BGR: blue ball
         writer.write(frame)
     writer.release()
 
