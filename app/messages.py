@@ -44,6 +44,7 @@ MSG_OVER_VISUAL_BUDGET = (
 )
 MSG_BAD_SETTING = "Setting “{key}”: {problem}"
 MSG_SETTINGS_NOT_OBJECT = "settings must be a JSON object such as {\"max_new_tokens\": 256}."
+MSG_NOTHING_TO_FOLLOW_UP = "follow_up: this client had no earlier /ask conversation to go on with, so this question starts one."
 MSG_NOT_FILES = "{label} must be a list of uploaded files (with gradio_client: [handle_file(path), ...]); {what}."
 MSG_TOO_FEW_VALUES = "Too few values: this call takes {count} ({names})."
 MSG_NOT_TAKEN = "{label} cannot take the value {value}."

@@ -86,6 +86,13 @@ def test_follow_up_keeps_the_image_in_the_conversation(client, red_image):
     assert stats["prompt_tokens"] > first_stats["prompt_tokens"] + first_stats["new_tokens"]
     _, (_, fresh) = stream(client, "Are you sure?", [], FIXED)  # without follow_up: a new conversation
     assert fresh["visual_tokens"] == 0
+    assert not any("follow_up" in notice for notice in stats["notices"] + fresh["notices"])
+
+
+def test_a_follow_up_with_nothing_before_it_starts_a_conversation_and_says_so(client):
+    _, (_, stats) = stream(client, "And then?", [], {**FIXED, "follow_up": True})
+    assert stats["notices"][0] == "follow_up: this client had no earlier /ask conversation to go on with, so this " \
+                                  "question starts one."
 
 
 @pytest.mark.parametrize("name, content, message", [

@@ -15,6 +15,7 @@ from app.messages import (
     MSG_EMPTY_QUESTION,
     MSG_EMPTY_REQUEST,
     MSG_MULTI_IMAGE_NEEDS_IMAGES,
+    MSG_NOTHING_TO_FOLLOW_UP,
     MSG_RANDOM_WEIGHTS,
     MSG_SETTINGS_NOT_OBJECT,
     MSG_STOPPED,
@@ -378,7 +379,8 @@ class Handlers:
             if update is None or update.stats is None:  # stopped before it began
                 return
             answer = {"role": "assistant", "content": [{"type": "text", "text": strip_reasoning(reply)}]}
+            notices = [MSG_NOTHING_TO_FOLLOW_UP] if follow_up and not conversation else []
             yield reply, {"done": True, "stopped": update.stopped, **update.stats, "handler_started_at": round(started_at, 3),
-                          "notices": update.notices}, messages + [answer]
+                          "notices": notices + update.notices}, messages + [answer]
         except UserError as error:
             raise refusal(str(error)) from None
