@@ -21,7 +21,8 @@ def sampled(monkeypatch):
 
     paths = []
     sample = inputs.sample_video
-    monkeypatch.setattr(inputs, "sample_video", lambda path, *rest: paths.append(path) or sample(path, *rest))
+    monkeypatch.setattr(inputs, "sample_video",
+                        lambda path, *rest, **named: paths.append(path) or sample(path, *rest, **named))
     return paths
 
 

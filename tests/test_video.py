@@ -5,6 +5,7 @@ import re
 import struct
 
 import cv2
+import numpy as np
 import pytest
 
 from app import limits
@@ -82,6 +83,15 @@ class SmallClaimingCapture(WrappedCapture):
     def get(self, prop):
         claimed = {cv2.CAP_PROP_FRAME_WIDTH: 32, cv2.CAP_PROP_FRAME_HEIGHT: 24}
         return claimed[prop] if prop in claimed else self.capture.get(prop)
+
+
+class LateLargeCapture(WrappedCapture):
+    """From frame 120 on, each frame decoded is a black 400x400 one, unlike the container's size."""
+
+    def read(self, image=None):
+        index = int(self.capture.get(cv2.CAP_PROP_POS_FRAMES))
+        ok, frame = self.capture.read()
+        return ok, np.zeros((400, 400, 3), np.uint8) if index >= 120 else frame
 
 
 class SeekFailingCapture(WrappedCapture):
@@ -286,3 +296,24 @@ def test_the_model_reads_the_original_of_a_browser_copy(tmp_path):
     lone = str(tmp_path / "holiday.mp4.browser.webm")
     open(lone, "wb").close()
     assert source_of(lone) == lone
+
+
+def test_frames_of_another_size_midway_are_scaled_to_the_first_ones(tmp_path, monkeypatch):
+    """A stream can change its size midway: every frame is written, in the first one's size, and the user is told
+    (left unwritten, its rows would hold whatever memory the array was given)."""
+    path = make_video(tmp_path, seconds=40, fps=6)  # 320x240; frames from 120 on come 400x400
+    monkeypatch.setattr(cv2, "VideoCapture", LateLargeCapture)
+    for channels_first in (False, True):
+        video = sample_video(path, sample_fps=0.5, max_frames=64, channels_first=channels_first)
+        frames = video.frames if channels_first else video.frames.transpose(0, 3, 1, 2)
+        assert frames.shape == (20, 3, 240, 320)
+        late = [index >= 120 for index in video.frame_indices]
+        assert any(late) and all((frame == 0).all() == is_late for frame, is_late in zip(frames, late))
+        assert video.notices == ("“clip.mp4” changes its frame size; its frames were scaled to the first one's 320x240.",)
+
+
+def test_frames_sampled_channels_first_are_the_frames(tmp_path):
+    path = make_video(tmp_path, seconds=10, fps=24)
+    rows, columns = sample_video(path, 1.0, 64), sample_video(path, 1.0, 64, channels_first=True)
+    assert columns.frames.shape == (10, 3, 240, 320) and columns.frames.flags.c_contiguous
+    assert (columns.frames == rows.frames.transpose(0, 3, 1, 2)).all()

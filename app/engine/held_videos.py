@@ -89,4 +89,4 @@ class PlannedFrames:
         """What the processor is handed as the video's frames: it only counts the video."""
         import numpy as np
 
-        return np.zeros((self.shape[0], 1, 1, 3), np.uint8)
+        return np.zeros((self.shape[0], 3, 1, 1), np.uint8)

@@ -174,6 +174,7 @@ def _video_kwargs(frames, settings: GenerationSettings) -> dict:
         # (request_media.media_fit), so here it reaches the frames alone.
         "use_image_id": False,
         "videos_kwargs": {
+            "input_data_format": "channels_first",  # app.media.video.sample_video(channels_first=True)
             "max_slice_nums": settings.video_slices_per_frame,
             "downsample_mode": settings.downsample_mode,
             "do_sample_frames": False,  # frames were sampled by app.media.video
@@ -189,8 +190,9 @@ def _video(processor, messages: list[dict], paths: list[str], settings: Generati
     planned = held_video(processor, messages, paths[0], settings, kept_media)
     if planned is not None:
         return _video_kwargs(planned.stand_in(), settings), planned, planned.shape, ()
-    video = sample_video(paths[0], settings.video_fps, settings.video_max_frames)
-    return _video_kwargs(video.frames, settings), None, video.frames.shape[:3], video.notices
+    video = sample_video(paths[0], settings.video_fps, settings.video_max_frames, channels_first=True)
+    count, _, height, width = video.frames.shape
+    return _video_kwargs(video.frames, settings), None, (count, height, width), video.notices
 
 
 def _loaded_images(paths: list[str], images: dict, on_device: bool, may_hold_gil: bool) -> tuple[list, bool]:

@@ -10,6 +10,7 @@ import numpy as np
 from app import limits, tuning
 from app.messages import (
     MSG_EMPTY_VIDEO,
+    MSG_VIDEO_FRAME_SIZES,
     MSG_UNREADABLE_VIDEO,
     MSG_VIDEO_FRAMES_MISSING,
     MSG_VIDEO_FRAME_TOO_LARGE,
@@ -26,7 +27,7 @@ _SEQUENTIAL_READ_RATIO = 0.25
 
 @dataclass(frozen=True)
 class SampledVideo:
-    frames: np.ndarray  # (frames, height, width, 3) uint8 RGB
+    frames: np.ndarray  # (frames, height, width, 3) uint8 RGB; (frames, 3, height, width) if sampled channels first
     frame_indices: tuple[int, ...]
     native_fps: float
     total_frames: int
@@ -160,12 +161,14 @@ def _count_frames(path: str, name: str, native_fps: float) -> tuple[int, float]:
 
 
 def sample_video(path: str, sample_fps: float = limits.DEFAULT_VIDEO_FPS,
-                 max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES, longest_side: int | None = None) -> SampledVideo:
+                 max_frames: int = limits.DEFAULT_VIDEO_MAX_FRAMES, longest_side: int | None = None,
+                 channels_first: bool = False) -> SampledVideo:
     """Frames at sample_fps, at most max_frames, from what the file really holds. A long video is read by
     seeking to each frame; when that finds fewer than planned (a header that overstates the frame count, or
     seeking that misses in a variable-frame-rate file), the frames are counted and read in order instead.
     With `longest_side` each frame is shrunk to that as it is decoded (the UI's strip of the frames the
-    model is shown: the same frames, by the same reading)."""
+    model is shown: the same frames, by the same reading). `channels_first`: as the video processor takes
+    them (app.engine.inputs)."""
     name = os.path.basename(path)
     with _opened(path) as capture:
         total_frames, native_fps, width, height = _probe(capture, name)
@@ -185,8 +188,29 @@ def sample_video(path: str, sample_fps: float = limits.DEFAULT_VIDEO_FPS,
     if not decoded:
         raise UserError(MSG_EMPTY_VIDEO.format(name=name))
     indices = sorted(decoded)
-    frames = np.empty((len(indices), *decoded[indices[0]].shape), np.uint8)
-    for frame, index in zip(frames, indices):  # in place, each decoded frame freed as it goes: no third copy
-        cv2.cvtColor(decoded.pop(index), cv2.COLOR_BGR2RGB, dst=frame)
+    frames, scaled = _rgb_frames(decoded, indices, channels_first)
+    if scaled:
+        height, width = frames.shape[-2:] if channels_first else frames.shape[1:3]
+        notices += (MSG_VIDEO_FRAME_SIZES.format(name=name, width=width, height=height),)
     return SampledVideo(frames=frames, frame_indices=tuple(indices), native_fps=native_fps,
                         total_frames=total_frames, notices=notices)
+
+
+def _rgb_frames(decoded: dict[int, np.ndarray], indices: list[int], channels_first: bool) -> tuple[np.ndarray, bool]:
+    """The decoded BGR frames in RGB, one array in the first frame's size, each frame freed as it is copied in (no
+    third copy); and whether any was scaled to that size: a stream can change its size midway, and every row of the
+    array must be written, or memory a request left behind would reach the model. Channels first, the copy also
+    lays them out as the video processor takes them: one strided copy, where converting the colours and then
+    moving the channels made two (0.17 s for 16 frames of 1080p on a core, against 0.04; docs/DECISIONS.md D71)."""
+    height, width = decoded[indices[0]].shape[:2]
+    frames = np.empty((len(indices), 3, height, width) if channels_first else (len(indices), height, width, 3), np.uint8)
+    scaled = False
+    for frame, index in zip(frames, indices):
+        bgr = decoded.pop(index)
+        if bgr.shape[:2] != (height, width):
+            bgr, scaled = cv2.resize(bgr, (width, height), interpolation=cv2.INTER_AREA), True
+        if channels_first:
+            np.copyto(frame, bgr.transpose(2, 0, 1)[::-1])
+        else:
+            cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=frame)
+    return frames, scaled
