@@ -32,7 +32,7 @@ MSG_VIDEO_SAMPLED_TOO_LARGE = (
     "Lower “Max frames” or downscale the video."
 )
 MSG_VIDEO_FRAMES_MISSING = "Only {read} of the {planned} planned frames of “{name}” could be read."
-MSG_VIDEO_FRAME_SIZES = "“{name}” changes its frame size; its frames were scaled to the first one's {width}x{height}."
+MSG_VIDEO_FRAME_SIZES = "“{name}” changes its frame size midway; its frames were scaled to the first one's size."
 MSG_NOT_TEXT = "The message holds a character that is not valid text (a lone surrogate, at character {position:,}); please type it again."
 MSG_PROMPT_TOO_LONG = "The message is {count:,} characters; the limit is {limit:,}."
 MSG_CONTEXT_TOO_LONG = (

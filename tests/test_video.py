@@ -159,6 +159,22 @@ def test_video_tokens_reach_the_model_inputs(manager, tmp_path):
     assert prepared.video_tokens == 5 * per_frame == 5 * 64
 
 
+def test_frames_one_pixel_high_reach_the_model_as_frames(manager, tmp_path):
+    """Handed frames last, transformers' video processor guessed the layout and took a height of 1 (or 3) for the
+    channels; told the frames' layout, it reads them as frames of that size, in colour. (OpenCV's writers make
+    no 3-pixel-high clip: they round odd heights to even, but for MJPEG's 1.)"""
+    from app.engine.settings import GenerationSettings
+    from app.media.budget import image_token_count
+
+    path = make_video(tmp_path, "flat.avi", seconds=2, fps=4, size=(64, 1), fourcc="MJPG")
+    prepared = manager.prepare([{"role": "user", "content": [{"type": "video", "path": path},
+                                                              {"type": "text", "text": "What happens?"}]}],
+                               GenerationSettings(video_fps=1.0, video_slices_per_frame=1))
+    assert prepared.tensors["pixel_values_videos"].shape[1] == 3  # colour channels
+    assert prepared.video_frames == 2
+    assert prepared.video_tokens == 2 * image_token_count(manager.processor.video_processor, 1, 64, 1, "16x")
+
+
 @pytest.mark.parametrize("size, real", [((12000, 12000), False), ((65000, 1000), False), ((8200, 8200), True)])
 def test_frames_over_the_pixel_limit_are_refused_before_any_is_decoded(tmp_path, monkeypatch, size, real):
     # A real 8200x8200 frame (0.7 s to write), or a small video whose header and JPEG markers claim the size:
@@ -309,7 +325,7 @@ def test_frames_of_another_size_midway_are_scaled_to_the_first_ones(tmp_path, mo
         assert frames.shape == (20, 3, 240, 320)
         late = [index >= 120 for index in video.frame_indices]
         assert any(late) and all((frame == 0).all() == is_late for frame, is_late in zip(frames, late))
-        assert video.notices == ("“clip.mp4” changes its frame size; its frames were scaled to the first one's 320x240.",)
+        assert video.notices == ("“clip.mp4” changes its frame size midway; its frames were scaled to the first one's size.",)
 
 
 def test_frames_sampled_channels_first_are_the_frames(tmp_path):

@@ -10,9 +10,9 @@ import numpy as np
 from app import limits, tuning
 from app.messages import (
     MSG_EMPTY_VIDEO,
-    MSG_VIDEO_FRAME_SIZES,
     MSG_UNREADABLE_VIDEO,
     MSG_VIDEO_FRAMES_MISSING,
+    MSG_VIDEO_FRAME_SIZES,
     MSG_VIDEO_FRAME_TOO_LARGE,
     MSG_VIDEO_SAMPLED_TOO_LARGE,
     MSG_VIDEO_TOO_LONG,
@@ -31,7 +31,7 @@ class SampledVideo:
     frame_indices: tuple[int, ...]
     native_fps: float
     total_frames: int
-    notices: tuple[str, ...] = ()  # for the user: fewer frames could be read than were planned
+    notices: tuple[str, ...] = ()  # for the user: fewer frames read than planned, frames scaled to one size
 
     @property
     def timestamps_s(self) -> tuple[float, ...]:
@@ -190,27 +190,26 @@ def sample_video(path: str, sample_fps: float = limits.DEFAULT_VIDEO_FPS,
     indices = sorted(decoded)
     frames, scaled = _rgb_frames(decoded, indices, channels_first)
     if scaled:
-        height, width = frames.shape[-2:] if channels_first else frames.shape[1:3]
-        notices += (MSG_VIDEO_FRAME_SIZES.format(name=name, width=width, height=height),)
+        notices += (MSG_VIDEO_FRAME_SIZES.format(name=name),)
     return SampledVideo(frames=frames, frame_indices=tuple(indices), native_fps=native_fps,
                         total_frames=total_frames, notices=notices)
 
 
-def _rgb_frames(decoded: dict[int, np.ndarray], indices: list[int], channels_first: bool) -> tuple[np.ndarray, bool]:
+def _rgb_frames(decoded: dict[int, np.ndarray], indices: list[int],
+                channels_first: bool) -> tuple[np.ndarray, bool]:
     """The decoded BGR frames in RGB, one array in the first frame's size, each frame freed as it is copied in (no
     third copy); and whether any was scaled to that size: a stream can change its size midway, and every row of the
     array must be written, or memory a request left behind would reach the model. Channels first, the copy also
     lays them out as the video processor takes them: one strided copy, where converting the colours and then
     moving the channels made two (0.17 s for 16 frames of 1080p on a core, against 0.04; docs/DECISIONS.md D71)."""
     height, width = decoded[indices[0]].shape[:2]
-    frames = np.empty((len(indices), 3, height, width) if channels_first else (len(indices), height, width, 3), np.uint8)
+    shape = (len(indices), 3, height, width) if channels_first else (len(indices), height, width, 3)
+    frames = np.empty(shape, np.uint8)
     scaled = False
     for frame, index in zip(frames, indices):
         bgr = decoded.pop(index)
         if bgr.shape[:2] != (height, width):
             bgr, scaled = cv2.resize(bgr, (width, height), interpolation=cv2.INTER_AREA), True
-        if channels_first:
-            np.copyto(frame, bgr.transpose(2, 0, 1)[::-1])
-        else:
-            cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=frame)
+        # Anything but 3 channels of uint8 raises: no row is left unwritten.
+        np.copyto(frame, bgr.transpose(2, 0, 1)[::-1] if channels_first else bgr[..., ::-1], casting="no")
     return frames, scaled
