@@ -14,6 +14,7 @@ one would be prepared in a time that tells so. No torch at import, as everywhere
 """
 
 from app.engine.conversations import video_key
+from app.media.budget import image_slicing
 from app.media.video import planned_frames
 
 
@@ -34,7 +35,8 @@ def held_video(processor, messages: list[dict], path: str, settings, kept_media:
 class PlannedFrames:
     """The video processor, as the processor calls it, for a video whose frames are not decoded: each frame's
     view sizes (in patches), grid and view count, by the video processor's own geometry for `shape`'s frames
-    (frames, height, width), and no pixels. Everything else is the video processor's own."""
+    (frames, height, width: app.media.budget.image_slicing, which cuts a frame as an image is cut), and no pixels.
+    Everything else is the video processor's own."""
 
     def __init__(self, video_processor, shape: tuple[int, int, int]):
         self._video_processor = video_processor
@@ -66,17 +68,9 @@ class PlannedFrames:
 
         part = self._video_processor
         frames, height, width = self.shape
-        patch, scale = part.patch_size, part.scale_resolution
-        downsample_mode = kwargs.get("downsample_mode") or part.downsample_mode
-        slices = kwargs.get("max_slice_nums") or part.max_slice_nums
-        grid = part.get_sliced_grid((height, width), slices, scale) if part.slice_mode else None
-        source = part.find_best_resize((height, width), scale, patch, downsample_mode=downsample_mode,
-                                       allow_upscale=grid is None)
-        views = [[source[0] // patch, source[1] // patch]]
-        if grid is not None:
-            refined = part.get_refine_size((height, width), grid, scale, patch, downsample_mode=downsample_mode,
-                                           allow_upscale=True)
-            views += [[refined[0] // grid[0] // patch, refined[1] // grid[1] // patch]] * (grid[0] * grid[1])
+        slicing = image_slicing(part, height, width, kwargs.get("max_slice_nums") or part.max_slice_nums,
+                                kwargs.get("downsample_mode") or part.downsample_mode)
+        views, grid = slicing.views_in_patches(part.patch_size), slicing.grid
         return BatchFeature(
             data={"target_sizes_videos": torch.tensor(views * frames, dtype=torch.int32),
                   "grids_videos": torch.tensor([list(grid or (0, 0))] * frames, dtype=torch.int32),

@@ -114,9 +114,7 @@ class PlannedSlices:
         patch = self._image_processor.patch_size
         target_sizes, grids, counts = [], [], []
         for slicing in self._slicings:
-            target_sizes.append([slicing.source[0] // patch, slicing.source[1] // patch])
-            if slicing.grid:
-                target_sizes += [[slicing.slice_size[0] // patch, slicing.slice_size[1] // patch]] * slicing.slice_count
+            target_sizes += slicing.views_in_patches(patch)
             grids.append(list(slicing.grid) if slicing.grid else [0, 0])
             counts.append(1 + slicing.slice_count)
         return BatchFeature(

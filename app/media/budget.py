@@ -38,6 +38,13 @@ class ImageSlicing:
     def tokens(self) -> int:
         return self.source_tokens + self.slice_count * self.slice_tokens
 
+    def views_in_patches(self, patch: int) -> list[list[int]]:
+        """The (height, width) in patches of the source view, then of each slice: the processor's target sizes."""
+        views = [[self.source[0] // patch, self.source[1] // patch]]
+        if self.grid:
+            views += [[self.slice_size[0] // patch, self.slice_size[1] // patch]] * self.slice_count
+        return views
+
 
 def image_slicing(image_processor, height: int, width: int, max_slice_nums: int, downsample_mode: str) -> ImageSlicing:
     """The cut MiniCPM-V's image processor makes (its get_sliced_grid, find_best_resize, get_refine_size)."""

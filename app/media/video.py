@@ -117,12 +117,18 @@ def planned_frames(path: str, sample_fps: float, max_frames: int) -> tuple[int, 
     """(frames, height, width) that sample_video gives if the container header holds, decoding no frame: what a
     video that a kept conversation holds is matched by (app.engine.held_videos). Raises UserError as
     sample_video does for what the header shows."""
-    name = os.path.basename(path)
     with _opened(path) as capture:
-        total_frames, native_fps, width, height = _probe(capture, name)
-    count = len(sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames))
-    _check_frame_size(name, width, height, count)
-    return count, height, width
+        _, _, width, height, wanted = _planned(capture, os.path.basename(path), sample_fps, max_frames)
+    return len(wanted), height, width
+
+
+def _planned(capture, name: str, sample_fps: float, max_frames: int) -> tuple[int, float, int, int, list[int]]:
+    """(frame count, frames per second, width, height, the frame indices to sample) from the container header,
+    the frames held to the size limits: sample_video's plan, and planned_frames'."""
+    total_frames, native_fps, width, height = _probe(capture, name)
+    wanted = sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames)
+    _check_frame_size(name, width, height, len(wanted))
+    return total_frames, native_fps, width, height, wanted
 
 
 def _probe(capture, name: str) -> tuple[int, float, int, int]:
@@ -171,9 +177,7 @@ def sample_video(path: str, sample_fps: float = limits.DEFAULT_VIDEO_FPS,
     them (app.engine.inputs)."""
     name = os.path.basename(path)
     with _opened(path) as capture:
-        total_frames, native_fps, width, height = _probe(capture, name)
-        wanted = sampled_frame_indices(total_frames, native_fps, sample_fps, max_frames)
-        _check_frame_size(name, width, height, len(wanted))
+        total_frames, native_fps, _, _, wanted = _planned(capture, name, sample_fps, max_frames)
         read = _read_sequentially if len(wanted) >= _SEQUENTIAL_READ_RATIO * total_frames else _read_by_seeking
         decoded = _checked(read(capture, wanted), name, len(wanted), longest_side)
     notices = ()
